@@ -1,0 +1,83 @@
+// Framework-free binary Conv2D kernels (NHWC input, HWIO filter).
+//
+// The math (see docs/design.md):
+//   sign(t) = +1 if t >= 0 else -1
+//   W_hat   = alpha * sign(W), alpha[o] = 1 or mean |W[:, :, :, o]|
+//   x_hat   = sign(x) if the input is binary, else x
+//   y       = conv2d(x_hat, W_hat)            zero padding pads x_hat with 0
+//   dW      = conv2d_backprop_filter(x_hat, dY) * alpha * e'(W)
+//   dX      = conv2d_backprop_input(W_hat, dY) [* e'(x) if the input is binary]
+// alpha is a constant in the backward pass. Every kernel reads the latent
+// (float) W and x and applies sign, alpha and the estimator masks itself.
+#ifndef TAPEHOOK_CORE_BINARY_CONV_H_
+#define TAPEHOOK_CORE_BINARY_CONV_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+namespace tapehook {
+
+// Pseudo-derivative of sign used in the backward pass.
+enum class Estimator : int {
+  kNone = 0,    // not binarized (float input); derivative 1
+  kSteSign = 1,     // 1{|t| <= clip}
+  kApproxSign = 2,  // (2 - 2|t|) * 1{|t| <= 1}
+  kSwishSign = 3,   // beta (2 - beta t tanh(beta t / 2)) / (1 + cosh(beta t)), beta = 5
+};
+
+enum class Scale : int { kNone = 0, kMeanAbs = 1 };
+
+// Parses "none" / "ste_sign" / "approx_sign" / "swish_sign"; false if unknown.
+bool ParseEstimator(const std::string& name, Estimator* out);
+bool ParseScale(const std::string& name, Scale* out);
+
+// e'(t) for an estimator (kNone gives 1).
+double EstimatorGrad(Estimator e, double t, double clip);
+
+// Geometry of one NHWC convolution. pad_top / pad_left are the zero rows and
+// columns before the input; bottom / right padding is implied by out_h / out_w.
+struct ConvShape {
+  int64_t batch = 0, in_h = 0, in_w = 0, in_c = 0;
+  int64_t k_h = 0, k_w = 0, out_c = 0;
+  int64_t out_h = 0, out_w = 0;
+  int64_t stride_h = 1, stride_w = 1, dil_h = 1, dil_w = 1;
+  int64_t pad_top = 0, pad_left = 0;
+};
+
+enum class Padding : int { kSame = 0, kValid = 1, kExplicit = 2 };
+
+// Fills out_h/out_w/pad_top/pad_left the way TensorFlow's Conv2D does.
+// explicit_* are used only for kExplicit. Returns "" or an error message.
+std::string ComputeConvGeometry(Padding padding, int64_t pad_t, int64_t pad_b,
+                                int64_t pad_l, int64_t pad_r, ConvShape* s);
+
+// Runs fn(begin, end) over [0, total) split into shards; cost_per_unit is a
+// rough cycle count of one unit. The TF wrapper passes TF's CPU thread pool.
+using ParallelFor = std::function<void(
+    int64_t total, int64_t cost_per_unit,
+    const std::function<void(int64_t, int64_t)>& fn)>;
+
+// y[batch, out_h, out_w, out_c] = conv2d(x_hat, W_hat).
+template <typename T>
+void BinaryConv2DForward(const ConvShape& s, const T* x, const T* w,
+                         bool binary_input, Scale scale, T* y,
+                         const ParallelFor& parallel_for);
+
+// dx[batch, in_h, in_w, in_c]. x is read only when act_est != kNone.
+template <typename T>
+void BinaryConv2DBackpropInput(const ConvShape& s, const T* x, const T* w,
+                               const T* dy, Estimator act_est, double clip,
+                               Scale scale, T* dx,
+                               const ParallelFor& parallel_for);
+
+// dw[k_h, k_w, in_c, out_c]. act_est == kNone means the input is float.
+template <typename T>
+void BinaryConv2DBackpropFilter(const ConvShape& s, const T* x, const T* w,
+                                const T* dy, Estimator act_est,
+                                Estimator w_est, double clip, Scale scale,
+                                T* dw, const ParallelFor& parallel_for);
+
+}  // namespace tapehook
+
+#endif  // TAPEHOOK_CORE_BINARY_CONV_H_
