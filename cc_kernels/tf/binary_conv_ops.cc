@@ -1,0 +1,335 @@
+// Thin TensorFlow wrappers around cc_kernels/core/binary_conv.h: op
+// registration, attr parsing, shape checks, dtype adaptation and threads.
+// All binary math lives in the core.
+#include <atomic>
+#include <string>
+#include <vector>
+
+#include "core/binary_conv.h"
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/framework/tensor.h"
+
+#ifndef TAPEHOOK_TF_VERSION
+#define TAPEHOOK_TF_VERSION "unknown"
+#endif
+
+namespace tapehook {
+namespace {
+
+using ::tensorflow::DEVICE_CPU;
+using ::tensorflow::OpKernel;
+using ::tensorflow::OpKernelConstruction;
+using ::tensorflow::OpKernelContext;
+using ::tensorflow::Tensor;
+using ::tensorflow::TensorShape;
+namespace shape_inference = ::tensorflow::shape_inference;
+namespace errors = ::tensorflow::errors;
+
+// How many times each compiled kernel ran, in any execution mode.
+enum CountKind { kForward = 0, kBackpropInput = 1, kBackpropFilter = 2, kNumKinds };
+std::atomic<int64_t> g_counts[kNumKinds];
+
+// Attrs shared by the forward and both backprops, so the gradient can rebuild
+// the whole binary spec from the forward op alone (also after SavedModel load).
+#define TAPEHOOK_CONV_ATTRS                                  \
+  Attr("T: {half, bfloat16, float, double}")                 \
+      .Attr("strides: list(int)")                            \
+      .Attr("padding: {'SAME', 'VALID', 'EXPLICIT'}")        \
+      .Attr("explicit_paddings: list(int) = []")             \
+      .Attr("data_format: {'NHWC', 'NCHW'} = 'NHWC'")        \
+      .Attr("dilations: list(int) = [1, 1, 1, 1]")           \
+      .Attr("scale: {'none', 'mean_abs'} = 'none'")          \
+      .Attr("weight_estimator: {'ste_sign', 'approx_sign', 'swish_sign'} = 'ste_sign'") \
+      .Attr("activation_estimator: {'none', 'ste_sign', 'approx_sign', 'swish_sign'} = 'none'") \
+      .Attr("clip: float = 1.0")
+
+REGISTER_OP("TapehookBinaryConv2D")
+    .Input("input: T")
+    .Input("filter: T")
+    .Output("output: T")
+    .TAPEHOOK_CONV_ATTRS
+    .SetShapeFn(::tensorflow::shape_inference::Conv2DShapeWithExplicitPadding)
+    .Doc("conv2d(x_hat, alpha * sign(filter)); x_hat = sign(input) when "
+         "activation_estimator != 'none'.");
+
+REGISTER_OP("TapehookBinaryConv2DBackpropInput")
+    .Input("input: T")
+    .Input("filter: T")
+    .Input("out_backprop: T")
+    .Output("input_backprop: T")
+    .TAPEHOOK_CONV_ATTRS
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      return absl::OkStatus();
+    });
+
+REGISTER_OP("TapehookBinaryConv2DBackpropFilter")
+    .Input("input: T")
+    .Input("filter: T")
+    .Input("out_backprop: T")
+    .Output("filter_backprop: T")
+    .TAPEHOOK_CONV_ATTRS
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      c->set_output(0, c->input(1));
+      return absl::OkStatus();
+    });
+
+// Parsed attrs of one op instance.
+struct ConvAttrs {
+  std::vector<int32_t> strides, dilations;
+  std::vector<int64_t> explicit_paddings;
+  Padding padding = Padding::kSame;
+  Scale scale = Scale::kNone;
+  Estimator weight_est = Estimator::kSteSign;
+  Estimator act_est = Estimator::kNone;
+  float clip = 1.0f;
+};
+
+absl::Status ParseAttrs(OpKernelConstruction* ctx, ConvAttrs* a) {
+  std::string padding, data_format, scale, w_est, act_est;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("strides", &a->strides));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("dilations", &a->dilations));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("explicit_paddings", &a->explicit_paddings));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("padding", &padding));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("data_format", &data_format));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("scale", &scale));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("weight_estimator", &w_est));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("activation_estimator", &act_est));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("clip", &a->clip));
+  if (data_format != "NHWC") {
+    return errors::Unimplemented(
+        "tapehook binary Conv2D supports data_format NHWC only on CPU; got ",
+        data_format, ". Use NHWC (Keras: data_format='channels_last').");
+  }
+  if (a->strides.size() != 4 || a->dilations.size() != 4) {
+    return errors::InvalidArgument("strides and dilations must have 4 entries");
+  }
+  if (a->strides[0] != 1 || a->strides[3] != 1 || a->dilations[0] != 1 ||
+      a->dilations[3] != 1) {
+    return errors::InvalidArgument(
+        "strides and dilations in the batch and depth dimensions must be 1");
+  }
+  a->padding = padding == "SAME"    ? Padding::kSame
+               : padding == "VALID" ? Padding::kValid
+                                    : Padding::kExplicit;
+  if (a->padding == Padding::kExplicit && a->explicit_paddings.size() != 8) {
+    return errors::InvalidArgument(
+        "padding EXPLICIT needs 8 explicit_paddings, got ",
+        a->explicit_paddings.size());
+  }
+  if (!ParseScale(scale, &a->scale) ||
+      !ParseEstimator(w_est, &a->weight_est) ||
+      !ParseEstimator(act_est, &a->act_est)) {
+    return errors::InvalidArgument("unknown scale or estimator attr");
+  }
+  if (!(a->clip > 0)) return errors::InvalidArgument("clip must be > 0");
+  return absl::OkStatus();
+}
+
+absl::Status MakeShape(const ConvAttrs& a, const Tensor& x, const Tensor& w,
+                       ConvShape* s) {
+  if (x.dims() != 4 || w.dims() != 4) {
+    return errors::InvalidArgument("binary Conv2D needs a 4-D input and a 4-D "
+                                   "filter, got ", x.shape().DebugString(),
+                                   " and ", w.shape().DebugString());
+  }
+  if (x.dim_size(3) != w.dim_size(2)) {
+    return errors::InvalidArgument("input depth ", x.dim_size(3),
+                                   " does not match filter in_channels ",
+                                   w.dim_size(2));
+  }
+  s->batch = x.dim_size(0);
+  s->in_h = x.dim_size(1);
+  s->in_w = x.dim_size(2);
+  s->in_c = x.dim_size(3);
+  s->k_h = w.dim_size(0);
+  s->k_w = w.dim_size(1);
+  s->out_c = w.dim_size(3);
+  s->stride_h = a.strides[1];
+  s->stride_w = a.strides[2];
+  s->dil_h = a.dilations[1];
+  s->dil_w = a.dilations[2];
+  const auto& p = a.explicit_paddings;
+  const bool ex = a.padding == Padding::kExplicit;
+  std::string err = ComputeConvGeometry(a.padding, ex ? p[2] : 0,
+                                        ex ? p[3] : 0, ex ? p[4] : 0,
+                                        ex ? p[5] : 0, s);
+  if (!err.empty()) return errors::InvalidArgument(err);
+  return absl::OkStatus();
+}
+
+ParallelFor ThreadPoolOf(OpKernelContext* ctx) {
+  auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
+  return [pool](int64_t total, int64_t cost,
+                const std::function<void(int64_t, int64_t)>& fn) {
+    pool->ParallelFor(total, cost, fn);
+  };
+}
+
+// The core computes in float or double; half and bfloat16 are widened to
+// float on the way in and rounded on the way out.
+template <typename T>
+struct Compute { using type = float; };
+template <>
+struct Compute<double> { using type = double; };
+
+template <typename T>
+class Widened {
+ public:
+  using C = typename Compute<T>::type;
+  explicit Widened(const Tensor& t) {
+    if constexpr (std::is_same_v<T, C>) {
+      ptr_ = t.flat<T>().data();
+    } else {
+      auto f = t.flat<T>();
+      buf_.resize(f.size());
+      for (int64_t i = 0; i < f.size(); ++i) buf_[i] = static_cast<C>(f(i));
+      ptr_ = buf_.data();
+    }
+  }
+  const C* data() const { return ptr_; }
+
+ private:
+  std::vector<C> buf_;
+  const C* ptr_ = nullptr;
+};
+
+// Output buffer in compute precision; Store() rounds into the TF tensor.
+template <typename T>
+class WidenedOut {
+ public:
+  using C = typename Compute<T>::type;
+  explicit WidenedOut(Tensor* t) : t_(t) {
+    if constexpr (std::is_same_v<T, C>) {
+      ptr_ = t->flat<T>().data();
+    } else {
+      buf_.resize(t->NumElements());
+      ptr_ = buf_.data();
+    }
+  }
+  C* data() { return ptr_; }
+  void Store() {
+    if constexpr (!std::is_same_v<T, C>) {
+      auto f = t_->flat<T>();
+      for (int64_t i = 0; i < f.size(); ++i) f(i) = static_cast<T>(buf_[i]);
+    }
+  }
+
+ private:
+  Tensor* t_;
+  std::vector<C> buf_;
+  C* ptr_ = nullptr;
+};
+
+template <typename T>
+class BinaryConv2DOp : public OpKernel {
+ public:
+  explicit BinaryConv2DOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ParseAttrs(ctx, &attrs_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    const Tensor& w = ctx->input(1);
+    ConvShape s;
+    OP_REQUIRES_OK(ctx, MakeShape(attrs_, x, w, &s));
+    Tensor* y = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, TensorShape({s.batch, s.out_h, s.out_w, s.out_c}),
+                            &y));
+    if (y->NumElements() == 0) return;
+    Widened<T> xw(x), ww(w);
+    WidenedOut<T> out(y);
+    BinaryConv2DForward(s, xw.data(), ww.data(),
+                        attrs_.act_est != Estimator::kNone, attrs_.scale,
+                        out.data(), ThreadPoolOf(ctx));
+    out.Store();
+    g_counts[kForward].fetch_add(1, std::memory_order_relaxed);
+  }
+
+ private:
+  ConvAttrs attrs_;
+};
+
+// Both backprops take (input, filter, out_backprop); Grad selects the core call.
+template <typename T, bool kFilter>
+class BinaryConv2DBackpropOp : public OpKernel {
+ public:
+  explicit BinaryConv2DBackpropOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ParseAttrs(ctx, &attrs_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    const Tensor& w = ctx->input(1);
+    const Tensor& dy = ctx->input(2);
+    ConvShape s;
+    OP_REQUIRES_OK(ctx, MakeShape(attrs_, x, w, &s));
+    const TensorShape want({s.batch, s.out_h, s.out_w, s.out_c});
+    OP_REQUIRES(ctx, dy.shape() == want,
+                errors::InvalidArgument("out_backprop has shape ",
+                                        dy.shape().DebugString(), ", expected ",
+                                        want.DebugString()));
+    Tensor* grad = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, kFilter ? w.shape() : x.shape(),
+                                             &grad));
+    if (grad->NumElements() == 0) return;
+    Widened<T> xw(x), ww(w), dyw(dy);
+    WidenedOut<T> out(grad);
+    if (kFilter) {
+      BinaryConv2DBackpropFilter(s, xw.data(), ww.data(), dyw.data(),
+                                 attrs_.act_est, attrs_.weight_est, attrs_.clip,
+                                 attrs_.scale, out.data(), ThreadPoolOf(ctx));
+    } else {
+      BinaryConv2DBackpropInput(s, xw.data(), ww.data(), dyw.data(),
+                                attrs_.act_est, attrs_.clip, attrs_.scale,
+                                out.data(), ThreadPoolOf(ctx));
+    }
+    out.Store();
+    g_counts[kFilter ? kBackpropFilter : kBackpropInput].fetch_add(
+        1, std::memory_order_relaxed);
+  }
+
+ private:
+  ConvAttrs attrs_;
+};
+
+template <typename T>
+using BackpropInputOp = BinaryConv2DBackpropOp<T, false>;
+template <typename T>
+using BackpropFilterOp = BinaryConv2DBackpropOp<T, true>;
+
+#define REGISTER_CPU(T)                                                     \
+  REGISTER_KERNEL_BUILDER(Name("TapehookBinaryConv2D")                      \
+                              .Device(DEVICE_CPU)                           \
+                              .TypeConstraint<T>("T"),                      \
+                          BinaryConv2DOp<T>);                               \
+  REGISTER_KERNEL_BUILDER(Name("TapehookBinaryConv2DBackpropInput")         \
+                              .Device(DEVICE_CPU)                           \
+                              .TypeConstraint<T>("T"),                      \
+                          BackpropInputOp<T>);                              \
+  REGISTER_KERNEL_BUILDER(Name("TapehookBinaryConv2DBackpropFilter")        \
+                              .Device(DEVICE_CPU)                           \
+                              .TypeConstraint<T>("T"),                      \
+                          BackpropFilterOp<T>);
+
+REGISTER_CPU(Eigen::half);
+REGISTER_CPU(Eigen::bfloat16);
+REGISTER_CPU(float);
+REGISTER_CPU(double);
+
+}  // namespace
+}  // namespace tapehook
+
+// Plain C entry points read with ctypes: dispatch counters and build facts.
+extern "C" {
+int64_t tapehook_dispatch_count(int kind) {
+  if (kind < 0 || kind >= tapehook::kNumKinds) return -1;
+  return tapehook::g_counts[kind].load(std::memory_order_relaxed);
+}
+void tapehook_reset_dispatch_counts() {
+  for (auto& c : tapehook::g_counts) c.store(0, std::memory_order_relaxed);
+}
+const char* tapehook_built_tf_version() { return TAPEHOOK_TF_VERSION; }
+}

@@ -1,0 +1,30 @@
+"""tapehook: train binary-weight (and binary-activation) convnets in TF 2.
+
+Marks on tf.Variables say which Conv2D filters are binary; TensorFlow's
+registered Conv2D gradient is replaced once, at import, by one that reads
+those marks and dispatches to tapehook's binary kernels. See docs/design.md.
+"""
+
+from tapehook.conv2d import dispatch_counts, reset_dispatch_counts
+from tapehook.errors import TapehookError
+from tapehook.kernels import kernel_info
+from tapehook.marks import binary_spec_of, mark_binary, unmark
+from tapehook.patches import install as _install
+from tapehook.scope import binary_scope
+from tapehook.spec import BinarySpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BinarySpec",
+    "TapehookError",
+    "binary_scope",
+    "binary_spec_of",
+    "dispatch_counts",
+    "kernel_info",
+    "mark_binary",
+    "reset_dispatch_counts",
+    "unmark",
+]
+
+_install()

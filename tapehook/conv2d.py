@@ -1,0 +1,170 @@
+"""Binary Conv2D: the forward interposer and the gradient that dispatches on marks.
+
+Forward (``conv2d`` replaces gen_nn_ops.conv2d, which tf.nn.conv2d,
+tf.nn.convolution and Keras 3 Conv2D/Conv1D all call): a float filter goes to
+stock TF untouched. A marked filter runs the compiled TapehookBinaryConv2D
+kernel with its spec as op attrs, and the op is recorded on any active tape as
+a "Conv2D" of (x, latent W), so the tape builds its gradient through the
+registered Conv2D gradient, which ``conv2d_grad`` replaces.
+
+Backward: ``conv2d_grad`` reads the binary spec fixed at forward time on the
+filter tensor; unmarked convs go to TF's own function, bit for bit. Graph
+gradients of a TapehookBinaryConv2D op (tf.gradients, a tf.function under an
+outer tape, a loaded SavedModel) read the spec from the op's attrs.
+"""
+
+import threading
+
+import tensorflow as tf
+from tensorflow.python.eager import execute, record
+
+from tapehook import kernels, marks, reference
+from tapehook.errors import TapehookError
+from tapehook.spec import BinarySpec
+
+_FORWARD_SPEC_ATTR = "_tapehook_forward_spec"  # on the filter tensor a tape records
+BINARY_OP = "TapehookBinaryConv2D"
+
+# Set by patches.install(): TF's own gen_nn_ops.conv2d and Conv2D gradient.
+stock = {"conv2d": None, "conv2d_grad": None}
+
+_reference_counts_lock = threading.Lock()
+_reference_counts = dict(forward=0, backprop_input=0, backprop_filter=0)
+
+
+def _count_reference(**increments):
+    with _reference_counts_lock:
+        for kind, n in increments.items():
+            _reference_counts[kind] += n
+
+
+def dispatch_counts() -> dict:
+    """How many binary forwards / backprops ran on each path.
+
+    ``compiled`` counts kernel executions (exact in every mode, counted in C++).
+    ``reference`` counts reference-path builds: each run in eager, each trace
+    inside tf.function or a graph.
+    """
+    with _reference_counts_lock:
+        reference_counts = dict(_reference_counts)
+    return {"compiled": kernels.compiled_counts(), "reference": reference_counts}
+
+
+def reset_dispatch_counts() -> None:
+    with _reference_counts_lock:
+        for kind in _reference_counts:
+            _reference_counts[kind] = 0
+    kernels.reset_compiled_counts()
+
+
+def _text(value):
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _conv_attrs(get_attr) -> dict:
+    """The Conv2D attrs the binary kernels share, read with ``get_attr(name)``."""
+    return {
+        "strides": list(get_attr("strides")),
+        "padding": _text(get_attr("padding")),
+        "explicit_paddings": list(get_attr("explicit_paddings")),
+        "data_format": _text(get_attr("data_format")),
+        "dilations": list(get_attr("dilations")),
+    }
+
+
+def _check(x, w, attrs):
+    if w.dtype not in marks.SUPPORTED_DTYPES:
+        raise TapehookError(
+            f"Conv2D filter marked binary has dtype {w.dtype.name}; binary kernels "
+            f"support {marks._SUPPORTED_NAMES}")
+    if x.dtype != w.dtype:
+        raise TapehookError(
+            f"binary Conv2D input has dtype {x.dtype.name} but the marked filter "
+            f"has {w.dtype.name}; cast the input to {w.dtype.name}")
+    if attrs["data_format"] != "NHWC":
+        raise TapehookError(
+            f"a marked Conv2D filter was used with data_format "
+            f"{attrs['data_format']}; binary kernels support NHWC only (Keras: "
+            f"data_format='channels_last')")
+    if w.shape.rank is not None and w.shape.rank != 4:
+        raise TapehookError(
+            f"a marked Conv2D filter must be 4-D [h, w, in, out], got shape {w.shape}")
+
+
+def binary_conv2d(x, w, spec: BinarySpec, attrs: dict, name=None):
+    """y = conv2d(x_hat, alpha * sign(w)) with the binary backward attached."""
+    with tf.name_scope(name or "BinaryConv2D"):
+        x = tf.convert_to_tensor(x)
+        w = tf.convert_to_tensor(w)
+        _check(x, w, attrs)
+        library = kernels.library()
+        if library is None:
+            _count_reference(forward=1)
+            return reference.binary_conv2d(
+                x, w, spec, attrs["strides"], attrs["padding"],
+                attrs["explicit_paddings"], attrs["dilations"],
+                on_backward=lambda: _count_reference(backprop_input=1, backprop_filter=1))
+        with record.stop_recording():
+            y = library.tapehook_binary_conv2d(x, w, **attrs, **spec.op_attrs())
+        if execute.must_record_gradient():
+            setattr(w, _FORWARD_SPEC_ATTR, spec)
+            execute.record_gradient("Conv2D", [x, w], (
+                "T", x.dtype.as_datatype_enum, "strides", attrs["strides"],
+                "use_cudnn_on_gpu", True, "padding", attrs["padding"],
+                "explicit_paddings", attrs["explicit_paddings"],
+                "data_format", attrs["data_format"],
+                "dilations", attrs["dilations"]), [y])
+        return y
+
+
+def conv2d(input, filter, strides, padding, use_cudnn_on_gpu=True,  # noqa: A002
+           explicit_paddings=(), data_format="NHWC", dilations=(1, 1, 1, 1),
+           name=None):
+    """Drop-in for gen_nn_ops.conv2d: binary for marked filters, stock otherwise."""
+    spec = marks.spec_for_use(filter)
+    if spec is None:
+        return stock["conv2d"](input, filter, strides, padding,
+                               use_cudnn_on_gpu=use_cudnn_on_gpu,
+                               explicit_paddings=explicit_paddings,
+                               data_format=data_format, dilations=dilations,
+                               name=name)
+    if not isinstance(padding, str):
+        raise TapehookError(f"padding must be 'SAME', 'VALID' or 'EXPLICIT', got {padding!r}")
+    attrs = {"strides": list(strides), "padding": padding,
+             "explicit_paddings": list(explicit_paddings or []),
+             "data_format": data_format or "NHWC",
+             "dilations": list(dilations or [1, 1, 1, 1])}
+    return binary_conv2d(input, filter, spec, attrs, name=name)
+
+
+def _binary_backward(x, w, dy, spec, attrs, skip):
+    """(dX, dW) from the compiled backprop kernels; None where skipped."""
+    library = kernels.library()
+    if library is None:
+        raise TapehookError(
+            "a binary Conv2D recorded on the compiled kernels needs them for its "
+            "gradient, but they are not loaded; see tapehook.kernel_info()")
+    all_attrs = {**attrs, **spec.op_attrs()}
+    dx = None if 0 in skip else library.tapehook_binary_conv2d_backprop_input(
+        x, w, dy, **all_attrs)
+    dw = None if 1 in skip else library.tapehook_binary_conv2d_backprop_filter(
+        x, w, dy, **all_attrs)
+    return dx, dw
+
+
+def conv2d_grad(op, grad):
+    """The registered "Conv2D" gradient while tapehook is installed."""
+    spec = getattr(op.inputs[1], _FORWARD_SPEC_ATTR, None)
+    if spec is None:
+        return stock["conv2d_grad"](op, grad)
+    skip = tuple(getattr(op, "skip_input_indices", None) or ())
+    return _binary_backward(op.inputs[0], op.inputs[1], grad, spec,
+                            _conv_attrs(op.get_attr), skip)
+
+
+def binary_conv2d_op_grad(op, grad):
+    """Gradient of a TapehookBinaryConv2D graph op: the spec is in its attrs."""
+    skip = tuple(getattr(op, "skip_input_indices", None) or ())
+    return _binary_backward(op.inputs[0], op.inputs[1], grad,
+                            BinarySpec.from_op_attrs(op.get_attr),
+                            _conv_attrs(op.get_attr), skip)

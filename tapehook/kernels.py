@@ -1,0 +1,223 @@
+"""Builds, caches and loads the compiled kernels (cc_kernels/) for the installed TF.
+
+The library is built on first use with tf.sysconfig's flags into a cache keyed by
+TF version, compiler, flags and a hash of the sources, so a library built for one
+TF version is never loaded into another. If it cannot be built or loaded,
+binary convs run on the reference path (plain TF ops, same math), a warning is
+emitted once, and ``kernel_info()`` says why.
+
+``TAPEHOOK_KERNELS`` chooses the backend: ``auto`` (default), ``reference``
+(never load the library) or ``compiled`` (a missing library is an error).
+"""
+
+import ctypes
+import fcntl
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+
+import tensorflow as tf
+
+from tapehook.errors import TapehookError
+
+_PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
+LIBRARY_NAME = "libtapehook_ops.so"
+_COUNT_KINDS = ("forward", "backprop_input", "backprop_filter")
+
+_lock = threading.Lock()
+_state = {"tried": False, "library": None, "cdll": None, "info": None}
+_forced_reference = [False]
+
+
+def source_dir() -> pathlib.Path:
+    """cc_kernels/: shipped inside the package on install, top-level in a checkout."""
+    for candidate in (_PACKAGE_DIR / "_cc_kernels", _PACKAGE_DIR.parent / "cc_kernels"):
+        if (candidate / "core").is_dir():
+            return candidate
+    raise TapehookError(
+        "tapehook's C++ sources (cc_kernels/) are missing from the installation; "
+        "reinstall tapehook with `pip install -e .` from a checkout")
+
+
+def _sources(root):
+    return sorted(p for sub in ("core", "tf") for p in (root / sub).glob("*.cc"))
+
+
+def _compiler():
+    return os.environ.get("CXX", "g++")
+
+
+def build_flags(root):
+    """(compile flags, link flags) for the installed TensorFlow."""
+    compile_flags = [
+        "-O3", "-fPIC", "-Wall", "-Wno-sign-compare",
+        "-Wno-deprecated-declarations", "-Wno-interference-size",
+        *tf.sysconfig.get_compile_flags(), "-std=c++17",
+        f'-DTAPEHOOK_TF_VERSION="{tf.__version__}"', f"-I{root}",
+    ]
+    return compile_flags, list(tf.sysconfig.get_link_flags())
+
+
+def _cache_key(root, compile_flags, link_flags):
+    try:
+        version = subprocess.run([_compiler(), "--version"], capture_output=True,
+                                 text=True, check=True).stdout.splitlines()[0]
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise TapehookError(
+            f"no C++ compiler: `{_compiler()} --version` failed ({exc}); install g++ "
+            f"(Debian: apt install g++) or set CXX") from None
+    digest = hashlib.sha256()
+    for part in (tf.__version__, version, *compile_flags, *link_flags):
+        digest.update(part.encode() + b"\0")
+    for path in sorted(root.rglob("*")):
+        if path.suffix in (".cc", ".h") and "cuda" not in path.parts:
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+            digest.update(path.read_bytes())
+    return f"tf{tf.__version__}-{digest.hexdigest()[:16]}"
+
+
+def cache_root() -> pathlib.Path:
+    default = pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache"))
+    return pathlib.Path(os.environ.get("TAPEHOOK_CACHE_DIR", default / "tapehook"))
+
+
+def _compile(root, compile_flags, link_flags, out_path):
+    """Compiles each source to an object (at most 2 at once), then links."""
+    with tempfile.TemporaryDirectory(prefix="tapehook-build-") as tmp:
+        objects, jobs = [], []
+        for src in _sources(root):
+            obj = pathlib.Path(tmp) / (src.parent.name + "_" + src.stem + ".o")
+            objects.append(obj)
+            jobs.append([_compiler(), *compile_flags, "-c", str(src), "-o", str(obj)])
+        for i in range(0, len(jobs), 2):
+            running = [subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True)
+                       for cmd in jobs[i:i + 2]]
+            for cmd, proc in zip(jobs[i:i + 2], running):
+                output = proc.communicate()[0]
+                if proc.returncode:
+                    raise TapehookError(
+                        f"compiling {cmd[-3]} failed:\n{output[-4000:]}")
+        tmp_lib = pathlib.Path(tmp) / LIBRARY_NAME
+        link = subprocess.run(
+            [_compiler(), "-shared", *map(str, objects), "-o", str(tmp_lib), *link_flags],
+            capture_output=True, text=True)
+        if link.returncode:
+            raise TapehookError(f"linking {LIBRARY_NAME} failed:\n{link.stderr[-4000:]}")
+        shutil.move(str(tmp_lib), str(out_path.with_suffix(".tmp")))
+        os.replace(out_path.with_suffix(".tmp"), out_path)
+
+
+def build(force=False) -> dict:
+    """Builds the kernel library for the installed TF (or finds it cached).
+
+    Safe to call from several processes at once: a file lock serializes builds.
+    Returns the build record (path, TF version, flags).
+    """
+    root = source_dir()
+    compile_flags, link_flags = build_flags(root)
+    directory = cache_root() / _cache_key(root, compile_flags, link_flags)
+    directory.mkdir(parents=True, exist_ok=True)
+    lib_path, record_path = directory / LIBRARY_NAME, directory / "build.json"
+    with open(directory / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        fresh = force or not (lib_path.exists() and record_path.exists())
+        if fresh:
+            _compile(root, compile_flags, link_flags, lib_path)
+            record_path.write_text(json.dumps({
+                "tf_version": tf.__version__, "compile_flags": compile_flags,
+                "link_flags": link_flags, "sources": str(root),
+            }, indent=1))
+    record = json.loads(record_path.read_text())
+    record.update(path=str(lib_path), fresh_build=fresh)
+    if record["tf_version"] != tf.__version__:
+        raise TapehookError(
+            f"cached kernel library {lib_path} was built for TF {record['tf_version']}, "
+            f"not the running TF {tf.__version__}; delete {directory}")
+    return record
+
+
+def _load():
+    """Builds if needed and loads the library; returns (library, cdll, info)."""
+    record = build()
+    library = tf.load_op_library(record["path"])
+    cdll = ctypes.CDLL(record["path"])
+    cdll.tapehook_built_tf_version.restype = ctypes.c_char_p
+    cdll.tapehook_dispatch_count.restype = ctypes.c_int64
+    built_for = cdll.tapehook_built_tf_version().decode()
+    if built_for != tf.__version__:
+        raise TapehookError(
+            f"{record['path']} was built for TF {built_for}, running TF {tf.__version__}")
+    return library, cdll, record
+
+
+def _mode():
+    mode = os.environ.get("TAPEHOOK_KERNELS", "auto")
+    if mode not in ("auto", "reference", "compiled"):
+        raise TapehookError(
+            f"TAPEHOOK_KERNELS={mode!r}; use 'auto', 'reference' or 'compiled'")
+    return mode
+
+
+def library():
+    """The loaded op library, or None when binary convs use the reference path."""
+    if _forced_reference[0]:
+        return None
+    with _lock:
+        if not _state["tried"]:
+            _state["tried"] = True
+            mode = _mode()
+            if mode == "reference":
+                _state["info"] = {"loaded": False,
+                                  "reason": "TAPEHOOK_KERNELS=reference"}
+            else:
+                try:
+                    _state["library"], _state["cdll"], record = _load()
+                    _state["info"] = {"loaded": True, **record}
+                except Exception as exc:  # any build/load failure: report, fall back
+                    _state["info"] = {"loaded": False, "reason": f"{type(exc).__name__}: {exc}"}
+                    if mode == "compiled":
+                        raise TapehookError(
+                            f"TAPEHOOK_KERNELS=compiled but the kernels could not be "
+                            f"built or loaded: {exc}") from exc
+                    warnings.warn(
+                        "tapehook: compiled kernels unavailable, binary convs run on "
+                        f"the reference path (plain TF ops). Reason: {exc}",
+                        RuntimeWarning, stacklevel=3)
+        return _state["library"]
+
+
+def force_reference(enabled: bool) -> None:
+    """Routes binary forwards built from now on to the reference path (testing)."""
+    _forced_reference[0] = bool(enabled)
+
+
+def kernel_info() -> dict:
+    """Which compiled kernels are loaded, what they were built against, or why not."""
+    library()
+    cpu = dict(_state["info"])
+    if _forced_reference[0]:
+        cpu["forced_reference"] = True
+    return {
+        "cpu": cpu,
+        "gpu": {"loaded": False, "reason": "no CUDA kernels in this build yet"},
+        "tensorflow": tf.__version__,
+    }
+
+
+def compiled_counts() -> dict:
+    cdll = _state["cdll"]
+    if cdll is None:
+        return dict.fromkeys(_COUNT_KINDS, 0)
+    return {kind: int(cdll.tapehook_dispatch_count(i)) for i, kind in enumerate(_COUNT_KINDS)}
+
+
+def reset_compiled_counts() -> None:
+    if _state["cdll"] is not None:
+        _state["cdll"].tapehook_reset_dispatch_counts()

@@ -1,0 +1,181 @@
+"""Binary marks on variables, and how a Conv2D filter leads back to its variable.
+
+A mark is a BinarySpec stored on the resource handle of every component
+variable (one for a plain tf.Variable, one per replica for a MirroredVariable),
+so it lives exactly as long as the variable and never depends on id() reuse.
+
+A filter reaches Conv2D either as the variable object itself (tf.nn.conv2d and
+Keras Conv2D pass it through) or as a tensor read from it, possibly through
+Cast (mixed precision) or ExpandDims (Conv1D). Reads and those ops are patched
+(tapehook/patches.py) to tag their output tensor with the variable it came
+from, in eager and in graphs alike.
+"""
+
+import threading
+
+import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
+
+from tapehook.errors import TapehookError
+from tapehook.spec import BinarySpec
+
+_SPEC_ATTR = "_tapehook_spec"      # on a component variable's handle
+SOURCE_ATTR = "_tapehook_variable"  # on a tensor: the variable it was read from
+SUPPORTED_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+_SUPPORTED_NAMES = "half, bfloat16, float32, float64"
+
+
+def _keras_variable_type():
+    try:
+        import keras
+        return keras.Variable
+    except ImportError:  # Keras is optional for tapehook's core
+        return ()
+
+
+def components(obj):
+    """The tf ResourceVariables behind a variable-like object, else None.
+
+    Accepts tf.Variable, Keras 3 Variable, distributed (Mirrored) variables and
+    their per-replica components.
+    """
+    keras_variable = _keras_variable_type()
+    if keras_variable and isinstance(obj, keras_variable):
+        obj = obj._value  # the backing tf.Variable (read without autocast)
+    container = getattr(obj, "_distributed_container", None)
+    if container is not None and container() is not None:
+        obj = container()
+    if hasattr(obj, "values") and isinstance(obj, tf.Variable) and not isinstance(
+            obj, resource_variable_ops.BaseResourceVariable):
+        return [c for v in obj.values for c in components(v)]
+    if isinstance(obj, resource_variable_ops.BaseResourceVariable):
+        return [obj]
+    return None
+
+
+def is_variable(obj) -> bool:
+    return components(obj) is not None
+
+
+def _check_markable(var):
+    comps = components(var)
+    if comps is None:
+        raise TapehookError(
+            f"mark_binary needs a tf.Variable or keras.Variable holding a Conv2D "
+            f"filter, got {type(var).__name__}; create the filter with tf.Variable "
+            f"(or a Keras layer) and mark that")
+    first = comps[0]
+    if first.dtype not in SUPPORTED_DTYPES:
+        raise TapehookError(
+            f"variable {first.name} has dtype {first.dtype.name}; binary kernels "
+            f"support {_SUPPORTED_NAMES}")
+    rank = first.shape.rank
+    if rank not in (3, 4):
+        raise TapehookError(
+            f"variable {first.name} has shape {first.shape}; only Conv2D filters "
+            f"[h, w, in, out] (4-D) and Conv1D filters [w, in, out] (3-D) can be "
+            f"marked binary")
+    return comps
+
+
+def make_spec(spec_kwargs) -> BinarySpec:
+    try:
+        return BinarySpec(**spec_kwargs)
+    except TypeError as exc:
+        raise TapehookError(
+            f"{exc}; a binary spec takes activations, scale, ste and clip") from None
+
+
+def mark_binary(var, **spec):
+    """Marks ``var`` binary with ``BinarySpec(**spec)``; returns ``var``."""
+    binary = make_spec(spec)
+    for comp in _check_markable(var):
+        setattr(comp.handle, _SPEC_ATTR, binary)
+    return var
+
+
+def set_mark(var, spec: BinarySpec) -> None:
+    for comp in _check_markable(var):
+        setattr(comp.handle, _SPEC_ATTR, spec)
+
+
+def unmark(var) -> None:
+    """Removes the binary mark; ``var`` is a float filter again."""
+    comps = components(var)
+    if comps is None:
+        raise TapehookError(
+            f"unmark needs a variable, got {type(var).__name__}")
+    for comp in comps:
+        if hasattr(comp.handle, _SPEC_ATTR):
+            delattr(comp.handle, _SPEC_ATTR)
+
+
+def binary_spec_of(obj):
+    """The BinarySpec of a variable (or of a tensor read from one), or None."""
+    var = source_variable(obj)
+    if var is None:
+        return None
+    comps = components(var)
+    return getattr(comps[0].handle, _SPEC_ATTR, None) if comps else None
+
+
+def source_variable(obj):
+    """The variable a filter object is, or was read from; None for other tensors."""
+    if is_variable(obj):
+        return obj
+    return getattr(obj, SOURCE_ATTR, None)
+
+
+def tag(tensor, variable) -> None:
+    """Records on ``tensor`` that it holds the value of ``variable``."""
+    try:
+        setattr(tensor, SOURCE_ATTR, variable)
+    except AttributeError:  # e.g. a composite tensor without a __dict__
+        pass
+
+
+# ---- binary_scope state (per thread: a scope is a lexical block of code) ----
+
+_local = threading.local()
+
+
+def scope_stack():
+    if not hasattr(_local, "stack"):
+        _local.stack = []
+    return _local.stack
+
+
+def scope_active() -> bool:
+    return bool(getattr(_local, "stack", None))
+
+
+def spec_for_use(filter_obj, mark=True):
+    """The spec a Conv2D filter is binarized with, marking it if a scope asks to.
+
+    Returns None for float convs. With ``mark=False`` nothing is changed.
+    """
+    var = source_variable(filter_obj)
+    if var is None:
+        return None
+    spec = binary_spec_of(var)
+    if spec is None and scope_active():
+        spec, allowed = scope_stack()[-1]
+        comps = components(var)
+        if allowed is not None and not any(id(c.handle) in allowed for c in comps):
+            return None
+        if mark:
+            set_mark(var, spec)
+    return spec
+
+
+def scope_marks_created(var) -> None:
+    """Marks a variable created inside a binary_scope if it can be a conv filter."""
+    if not scope_active():
+        return
+    spec, allowed = scope_stack()[-1]
+    comps = components(var)
+    if not comps or allowed is not None:
+        return
+    first = comps[0]
+    if first.shape.rank in (3, 4) and first.dtype in SUPPORTED_DTYPES:
+        set_mark(var, spec)

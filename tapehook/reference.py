@@ -1,0 +1,112 @@
+"""The reference binary Conv2D: the math of docs/design.md in plain TF ops.
+
+Used by the fallback path when the compiled kernels are unavailable, and by the
+tests as the independent reference the kernels are checked against.
+
+    sign(t) = +1 if t >= 0 else -1
+    W_hat   = alpha * sign(W)      alpha = 1, or mean |W| per output channel
+    x_hat   = sign(x) if activations are binary else x
+    y       = conv2d(x_hat, W_hat)                   zero padding pads x_hat
+    dW      = conv2d_backprop_filter(x_hat, dY) * alpha * e'(W)
+    dX      = conv2d_backprop_input(W_hat, dY) [* e'(x) when binary]
+
+Estimators e'(t): ste_sign 1{|t| <= clip}; approx_sign (2 - 2|t|) 1{|t| <= 1};
+swish_sign (beta = 5) beta (2 - beta t tanh(beta t / 2)) / (1 + cosh(beta t)).
+"""
+
+import tensorflow as tf
+
+SWISH_BETA = 5.0
+
+
+def sign(t):
+    """+1 where t >= 0, else -1 (zero maps to +1), in t's dtype."""
+    return tf.where(t >= 0, tf.ones_like(t), -tf.ones_like(t))
+
+
+def estimator_grad(name, t, clip):
+    """e'(t), the pseudo-derivative of sign, computed in float32 or float64."""
+    wide = tf.float64 if t.dtype == tf.float64 else tf.float32
+    t = tf.cast(t, wide)
+    if name == "ste_sign":
+        return tf.cast(tf.abs(t) <= clip, wide)
+    if name == "approx_sign":
+        return tf.where(tf.abs(t) <= 1, 2 - 2 * tf.abs(t), tf.zeros_like(t))
+    if name == "swish_sign":
+        b = tf.constant(SWISH_BETA, wide)
+        # 1 + cosh overflows to inf for large |t|, which correctly gives 0.
+        return b * (2 - b * t * tf.tanh(b * t / 2)) / (1 + tf.cosh(b * t))
+    raise ValueError(f"unknown estimator {name!r}")
+
+
+def alpha(w, scale):
+    """Per-output-channel scale (a constant in the backward pass)."""
+    if scale == "mean_abs":
+        return tf.stop_gradient(tf.reduce_mean(tf.abs(w), axis=[0, 1, 2]))
+    return tf.ones([tf.shape(w)[-1]], w.dtype)
+
+
+def binarize_input(x, spec):
+    return sign(x) if spec.activation_estimator else x
+
+
+def binarize_filter(w, spec):
+    return sign(w) * alpha(w, spec.scale)
+
+
+def float_conv2d(x, w, strides, padding, explicit_paddings, dilations):
+    """Stock NHWC convolution of float tensors, with any padding and dilation.
+
+    EXPLICIT padding is done with tf.pad (zeros) then VALID; dilations go
+    through tf.nn.convolution, whose gradient works on CPU.
+    """
+    if padding == "EXPLICIT":
+        p = list(explicit_paddings)
+        x = tf.pad(x, [p[0:2], p[2:4], p[4:6], p[6:8]])
+        padding = "VALID"
+    return tf.nn.convolution(x, w, strides=strides[1:3], padding=padding,
+                             dilations=dilations[1:3])
+
+
+def _masked(grad, name, t, clip):
+    mask = estimator_grad(name, t, clip)
+    return tf.cast(tf.cast(grad, mask.dtype) * mask, grad.dtype)
+
+
+def binary_conv2d_backward(x, w, dy, spec, strides, padding, explicit_paddings,
+                           dilations):
+    """(dX, dW) of the binary conv, from stock conv gradients at (x_hat, W_hat)."""
+    x_hat, a = binarize_input(x, spec), alpha(w, spec.scale)
+    w_hat = sign(w) * a
+    with tf.GradientTape() as tape:
+        tape.watch([x_hat, w_hat])
+        y = float_conv2d(x_hat, w_hat, strides, padding, explicit_paddings, dilations)
+    dx, dw_hat = tape.gradient(y, [x_hat, w_hat], output_gradients=dy)
+    if spec.activation_estimator:
+        dx = _masked(dx, spec.activation_estimator, x, spec.clip)
+    dw = _masked(dw_hat * a, spec.ste, w, spec.clip)
+    return dx, dw
+
+
+def binary_conv2d(x, w, spec, strides=(1, 1, 1, 1), padding="SAME",
+                  explicit_paddings=(), dilations=(1, 1, 1, 1), on_backward=None):
+    """Binary conv forward with the reference backward as its gradient.
+
+    ``on_backward`` (optional) is called whenever the backward is built.
+    """
+    strides, dilations = list(strides), list(dilations)
+
+    @tf.custom_gradient
+    def conv(x, w):
+        y = float_conv2d(binarize_input(x, spec), binarize_filter(w, spec),
+                         strides, padding, explicit_paddings, dilations)
+
+        def grad(dy):
+            if on_backward is not None:
+                on_backward()
+            return binary_conv2d_backward(x, w, dy, spec, strides, padding,
+                                          explicit_paddings, dilations)
+
+        return y, grad
+
+    return conv(x, w)

@@ -1,0 +1,588 @@
+// Standalone test of cc_kernels/core/binary_conv.cc (no TensorFlow).
+//
+//   g++ -std=c++17 -O2 -I. tests/cc/test_binary_conv.cc \
+//       cc_kernels/core/binary_conv.cc -lpthread -o /tmp/t && /tmp/t
+//
+// Every kernel is checked against naive double-precision loops written here
+// from the definitions, over a seeded random sweep, and under three
+// ParallelFor flavours (inline, 3 threads, one unit at a time in reverse).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cc_kernels/core/binary_conv.h"
+
+namespace {
+
+using tapehook::ConvShape;
+using tapehook::Estimator;
+using tapehook::Padding;
+using tapehook::ParallelFor;
+using tapehook::Scale;
+
+int g_failures = 0;
+
+#define CHECK(cond, ...)                                          \
+  do {                                                            \
+    if (!(cond)) {                                                \
+      ++g_failures;                                               \
+      std::printf("FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+      std::printf(__VA_ARGS__);                                   \
+      std::printf("\n");                                          \
+    }                                                             \
+  } while (0)
+
+// ---------------------------------------------------------------------------
+// ParallelFor flavours.
+
+void InlineFor(int64_t total, int64_t,
+               const std::function<void(int64_t, int64_t)>& fn) {
+  if (total > 0) fn(0, total);
+}
+
+// Three contiguous shards, each on its own thread.
+void ThreadedFor(int64_t total, int64_t,
+                 const std::function<void(int64_t, int64_t)>& fn) {
+  constexpr int64_t kThreads = 3;
+  std::vector<std::thread> threads;
+  for (int64_t t = 0; t < kThreads; ++t) {
+    const int64_t b = total * t / kThreads, e = total * (t + 1) / kThreads;
+    if (b < e) threads.emplace_back([&fn, b, e] { fn(b, e); });
+  }
+  for (auto& th : threads) th.join();
+}
+
+// Single units, last first: catches code that assumes one shard or an order.
+void ReverseUnitsFor(int64_t total, int64_t,
+                     const std::function<void(int64_t, int64_t)>& fn) {
+  for (int64_t i = total - 1; i >= 0; --i) fn(i, i + 1);
+}
+
+struct NamedFor {
+  const char* name;
+  ParallelFor pf;
+};
+const std::vector<NamedFor>& AllFors() {
+  static const std::vector<NamedFor> fors = {{"inline", InlineFor},
+                                             {"threads3", ThreadedFor},
+                                             {"reverse", ReverseUnitsFor}};
+  return fors;
+}
+
+// ---------------------------------------------------------------------------
+// Reference math, from the definitions.
+
+double RefSign(double t) { return t >= 0 ? 1.0 : -1.0; }
+
+double RefEst(Estimator e, double t, double clip) {
+  const double a = std::fabs(t);
+  switch (e) {
+    case Estimator::kNone:
+      return 1.0;
+    case Estimator::kSteSign:
+      return a <= clip ? 1.0 : 0.0;
+    case Estimator::kApproxSign:
+      return a <= 1.0 ? 2.0 - 2.0 * a : 0.0;
+    case Estimator::kSwishSign: {
+      // 1 + cosh(u) == 2 cosh(u/2)^2; overflows to inf (result 0), not NaN.
+      const double b = 5.0, u = b * t, ch = std::cosh(u / 2);
+      return b * (2.0 - u * std::tanh(u / 2)) / (2.0 * ch * ch);
+    }
+  }
+  return std::numeric_limits<double>::quiet_NaN();
+}
+
+// TF's output size and leading pad for one axis; false if invalid.
+bool RefAxis(Padding p, int64_t in, int64_t k, int64_t st, int64_t dil,
+             int64_t pb, int64_t pa, int64_t* out, int64_t* pad) {
+  const int64_t ek = (k - 1) * dil + 1;
+  if (p == Padding::kSame) {
+    *out = static_cast<int64_t>(std::ceil(double(in) / st));
+    *pad = std::max<int64_t>(0, (*out - 1) * st + ek - in) / 2;
+    return true;
+  }
+  if (p == Padding::kValid) {
+    if (in < ek) return false;
+    *out = static_cast<int64_t>(std::ceil(double(in - ek + 1) / st));
+    *pad = 0;
+    return true;
+  }
+  if (pb < 0 || pa < 0 || in + pb + pa < ek) return false;
+  *out = static_cast<int64_t>(std::floor(double(in + pb + pa - ek) / st)) + 1;
+  *pad = pb;
+  return true;
+}
+
+// A reference result: the value and the sum of |terms| that produced it,
+// which bounds the rounding error of any summation order.
+struct Ref {
+  std::vector<double> val, mag;
+  explicit Ref(size_t n) : val(n, 0.0), mag(n, 0.0) {}
+};
+
+struct Problem {
+  ConvShape s;
+  std::vector<double> x, w, dy;  // exactly representable in float
+  Estimator act_est, w_est;
+  Scale scale;
+  double clip;
+};
+
+std::vector<double> RefAlpha(const Problem& pr) {
+  const ConvShape& s = pr.s;
+  std::vector<double> alpha(s.out_c, 1.0);
+  if (pr.scale == Scale::kMeanAbs) {
+    for (int64_t o = 0; o < s.out_c; ++o) {
+      double sum = 0;
+      for (int64_t kh = 0; kh < s.k_h; ++kh)
+        for (int64_t kw = 0; kw < s.k_w; ++kw)
+          for (int64_t c = 0; c < s.in_c; ++c)
+            sum += std::fabs(pr.w[((kh * s.k_w + kw) * s.in_c + c) * s.out_c + o]);
+      alpha[o] = sum / double(s.k_h * s.k_w * s.in_c);
+    }
+  }
+  return alpha;
+}
+
+int64_t XIdx(const ConvShape& s, int64_t n, int64_t h, int64_t w, int64_t c) {
+  return ((n * s.in_h + h) * s.in_w + w) * s.in_c + c;
+}
+int64_t WIdx(const ConvShape& s, int64_t kh, int64_t kw, int64_t c, int64_t o) {
+  return ((kh * s.k_w + kw) * s.in_c + c) * s.out_c + o;
+}
+int64_t YIdx(const ConvShape& s, int64_t n, int64_t h, int64_t w, int64_t o) {
+  return ((n * s.out_h + h) * s.out_w + w) * s.out_c + o;
+}
+
+// Calls f(n, oh, ow, kh, kw, c, o, ih, iw) for every tap inside the input.
+template <typename F>
+void ForEachTap(const ConvShape& s, F f) {
+  for (int64_t n = 0; n < s.batch; ++n)
+    for (int64_t oh = 0; oh < s.out_h; ++oh)
+      for (int64_t ow = 0; ow < s.out_w; ++ow)
+        for (int64_t kh = 0; kh < s.k_h; ++kh)
+          for (int64_t kw = 0; kw < s.k_w; ++kw) {
+            const int64_t ih = oh * s.stride_h - s.pad_top + kh * s.dil_h;
+            const int64_t iw = ow * s.stride_w - s.pad_left + kw * s.dil_w;
+            if (ih < 0 || ih >= s.in_h || iw < 0 || iw >= s.in_w) continue;
+            for (int64_t c = 0; c < s.in_c; ++c)
+              for (int64_t o = 0; o < s.out_c; ++o)
+                f(n, oh, ow, kh, kw, c, o, ih, iw);
+          }
+}
+
+Ref RefForward(const Problem& pr) {
+  const ConvShape& s = pr.s;
+  const bool binary = pr.act_est != Estimator::kNone;
+  const std::vector<double> alpha = RefAlpha(pr);
+  Ref y(s.batch * s.out_h * s.out_w * s.out_c);
+  ForEachTap(s, [&](int64_t n, int64_t oh, int64_t ow, int64_t kh, int64_t kw,
+                    int64_t c, int64_t o, int64_t ih, int64_t iw) {
+    const double xv = pr.x[XIdx(s, n, ih, iw, c)];
+    const double t = (binary ? RefSign(xv) : xv) * alpha[o] *
+                     RefSign(pr.w[WIdx(s, kh, kw, c, o)]);
+    y.val[YIdx(s, n, oh, ow, o)] += t;
+    y.mag[YIdx(s, n, oh, ow, o)] += std::fabs(t);
+  });
+  return y;
+}
+
+Ref RefBackpropInput(const Problem& pr) {
+  const ConvShape& s = pr.s;
+  const std::vector<double> alpha = RefAlpha(pr);
+  Ref dx(pr.x.size());
+  ForEachTap(s, [&](int64_t n, int64_t oh, int64_t ow, int64_t kh, int64_t kw,
+                    int64_t c, int64_t o, int64_t ih, int64_t iw) {
+    const double t = pr.dy[YIdx(s, n, oh, ow, o)] * alpha[o] *
+                     RefSign(pr.w[WIdx(s, kh, kw, c, o)]);
+    dx.val[XIdx(s, n, ih, iw, c)] += t;
+    dx.mag[XIdx(s, n, ih, iw, c)] += std::fabs(t);
+  });
+  for (size_t i = 0; i < dx.val.size(); ++i) {
+    const double g = RefEst(pr.act_est, pr.x[i], pr.clip);
+    dx.val[i] *= g;
+    dx.mag[i] *= std::fabs(g);
+  }
+  return dx;
+}
+
+Ref RefBackpropFilter(const Problem& pr) {
+  const ConvShape& s = pr.s;
+  const bool binary = pr.act_est != Estimator::kNone;
+  const std::vector<double> alpha = RefAlpha(pr);
+  Ref dw(pr.w.size());
+  ForEachTap(s, [&](int64_t n, int64_t oh, int64_t ow, int64_t kh, int64_t kw,
+                    int64_t c, int64_t o, int64_t ih, int64_t iw) {
+    const double xv = pr.x[XIdx(s, n, ih, iw, c)];
+    const double t = (binary ? RefSign(xv) : xv) * pr.dy[YIdx(s, n, oh, ow, o)];
+    dw.val[WIdx(s, kh, kw, c, o)] += t;
+    dw.mag[WIdx(s, kh, kw, c, o)] += std::fabs(t);
+  });
+  for (int64_t i = 0; i < static_cast<int64_t>(dw.val.size()); ++i) {
+    const double g = alpha[i % s.out_c] * RefEst(pr.w_est, pr.w[i], pr.clip);
+    dw.val[i] *= g;
+    dw.mag[i] *= std::fabs(g);
+  }
+  return dw;
+}
+
+// ---------------------------------------------------------------------------
+// Comparison.
+
+struct Stats {
+  int passed = 0, failed = 0;
+  double max_err[2] = {0, 0};  // |got - ref| / sum|terms|, float / double
+};
+Stats g_stats;
+
+template <typename T>
+constexpr double Tol() {
+  return sizeof(T) == 4 ? 1e-4 : 1e-10;
+}
+
+// True if got matches ref within tolerance; prints the first mismatch.
+template <typename T>
+bool Matches(const std::string& what, const std::vector<T>& got,
+             const Ref& ref) {
+  if (got.size() != ref.val.size()) {
+    std::printf("  %s: size %zu vs %zu\n", what.c_str(), got.size(),
+                ref.val.size());
+    return false;
+  }
+  double& max_err = g_stats.max_err[sizeof(T) == 4 ? 0 : 1];
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double err = std::fabs(double(got[i]) - ref.val[i]);
+    const double bound = Tol<T>() * ref.mag[i];
+    if (!(err <= bound)) {  // also catches NaN (unwritten outputs)
+      std::printf("  %s: index %zu got %.10g want %.10g (|terms| %.4g)\n",
+                  what.c_str(), i, double(got[i]), ref.val[i], ref.mag[i]);
+      return false;
+    }
+    if (ref.mag[i] > 0) max_err = std::max(max_err, err / ref.mag[i]);
+  }
+  return true;
+}
+
+// Outputs start as NaN so that unwritten elements fail the comparison.
+template <typename T>
+std::vector<T> NaNs(size_t n) {
+  return std::vector<T>(n, std::numeric_limits<T>::quiet_NaN());
+}
+
+bool BitwiseEqual(const void* a, const void* b, size_t bytes) {
+  return std::memcmp(a, b, bytes) == 0;
+}
+
+template <typename T>
+std::vector<T> Cast(const std::vector<double>& v) {
+  return std::vector<T>(v.begin(), v.end());
+}
+
+std::string Describe(const Problem& pr, bool is_float) {
+  const ConvShape& s = pr.s;
+  char buf[400];
+  std::snprintf(buf, sizeof(buf),
+                "%s b=%lld in=%lldx%lldx%lld k=%lldx%lld out_c=%lld "
+                "stride=%lld,%lld dil=%lld,%lld pad=%lld,%lld out=%lldx%lld "
+                "act=%d w=%d scale=%d clip=%g",
+                is_float ? "float" : "double", (long long)s.batch,
+                (long long)s.in_h, (long long)s.in_w, (long long)s.in_c,
+                (long long)s.k_h, (long long)s.k_w, (long long)s.out_c,
+                (long long)s.stride_h, (long long)s.stride_w,
+                (long long)s.dil_h, (long long)s.dil_w, (long long)s.pad_top,
+                (long long)s.pad_left, (long long)s.out_h, (long long)s.out_w,
+                int(pr.act_est), int(pr.w_est), int(pr.scale), pr.clip);
+  return buf;
+}
+
+// Runs the three kernels under every ParallelFor; checks each result against
+// the reference and that all ParallelFors give bitwise-identical results.
+template <typename T>
+bool RunCase(const Problem& pr) {
+  const ConvShape& s = pr.s;
+  const std::vector<T> x = Cast<T>(pr.x), w = Cast<T>(pr.w),
+                       dy = Cast<T>(pr.dy);
+  const bool binary = pr.act_est != Estimator::kNone;
+  const Ref y_ref = RefForward(pr), dx_ref = RefBackpropInput(pr),
+            dw_ref = RefBackpropFilter(pr);
+  bool ok = true;
+  std::vector<T> y0, dx0, dw0;
+  for (const NamedFor& f : AllFors()) {
+    const std::string tag = std::string(" [") + f.name + "]";
+    std::vector<T> y = NaNs<T>(y_ref.val.size());
+    tapehook::BinaryConv2DForward<T>(s, x.data(), w.data(), binary, pr.scale,
+                                     y.data(), f.pf);
+    std::vector<T> dx = NaNs<T>(x.size());
+    tapehook::BinaryConv2DBackpropInput<T>(s, x.data(), w.data(), dy.data(),
+                                           pr.act_est, pr.clip, pr.scale,
+                                           dx.data(), f.pf);
+    std::vector<T> dw = NaNs<T>(w.size());
+    tapehook::BinaryConv2DBackpropFilter<T>(s, x.data(), w.data(), dy.data(),
+                                            pr.act_est, pr.w_est, pr.clip,
+                                            pr.scale, dw.data(), f.pf);
+    ok &= Matches("forward" + tag, y, y_ref);
+    ok &= Matches("backprop_input" + tag, dx, dx_ref);
+    ok &= Matches("backprop_filter" + tag, dw, dw_ref);
+    if (y0.empty() && dx0.empty() && dw0.empty()) {
+      y0 = y, dx0 = dx, dw0 = dw;
+    } else if (!BitwiseEqual(y.data(), y0.data(), y.size() * sizeof(T)) ||
+               !BitwiseEqual(dx.data(), dx0.data(), dx.size() * sizeof(T)) ||
+               !BitwiseEqual(dw.data(), dw0.data(), dw.size() * sizeof(T))) {
+      std::printf("  results%s differ bitwise from [inline]\n", tag.c_str());
+      ok = false;
+    }
+  }
+  return ok;
+}
+
+// ---------------------------------------------------------------------------
+// Random problems.
+
+// Mostly uniform values, with exact zeros (sign(0) = +1), values exactly on
+// the estimator edges, and a few huge ones (swish_sign's cosh overflow).
+double Value(std::mt19937_64& rng, double clip) {
+  std::uniform_real_distribution<double> u(0, 1);
+  const double r = u(rng);
+  if (r < 0.12) return 0.0;
+  if (r < 0.20) {
+    const double edges[] = {clip, -clip, 1.0, -1.0, 0.5, -0.5};
+    return edges[std::uniform_int_distribution<int>(0, 5)(rng)];
+  }
+  if (r < 0.22) return u(rng) < 0.5 ? 200.0 : -200.0;
+  // Rounded to float so both precisions see the same numbers.
+  return static_cast<float>(3.0 * u(rng) - 1.5);
+}
+
+template <typename V>
+V Pick(std::mt19937_64& rng, std::initializer_list<V> xs) {
+  const int i = std::uniform_int_distribution<int>(0, int(xs.size()) - 1)(rng);
+  return xs.begin()[i];
+}
+
+// Case i enumerates estimators, scale, clip and precision; the shape is
+// random. Every 8th case is larger, to reach full GEMM tiles and blocking.
+Problem RandomProblem(std::mt19937_64& rng, int i, bool* is_float) {
+  Problem pr;
+  pr.act_est = static_cast<Estimator>(i % 4);
+  pr.w_est = static_cast<Estimator>(i / 4 % 4);
+  pr.scale = static_cast<Scale>(i / 16 % 2);
+  pr.clip = i / 32 % 2 ? 0.5 : 1.0;
+  *is_float = i / 64 % 2 == 0;
+  const bool large = i % 8 == 7;
+  ConvShape& s = pr.s;
+  while (true) {
+    s = ConvShape();
+    s.batch = Pick<int64_t>(rng, {1, 3});
+    if (large) {
+      s.in_c = Pick<int64_t>(rng, {7, 17, 37});
+      s.out_c = Pick<int64_t>(rng, {8, 19, 33});
+    } else {
+      s.in_c = Pick<int64_t>(rng, {1, 3, 5, 7});
+      s.out_c = Pick<int64_t>(rng, {1, 3, 5, 7});
+    }
+    const int kernel = Pick<int>(rng, {0, 1, 2, 3});  // 1x1, 3x3, 2x3, 3x2
+    s.k_h = kernel == 0 ? 1 : kernel == 2 ? 2 : 3;
+    s.k_w = kernel == 0 ? 1 : kernel == 3 ? 2 : 3;
+    s.stride_h = Pick<int64_t>(rng, {1, 2});
+    s.stride_w = Pick<int64_t>(rng, {1, 2});
+    s.dil_h = Pick<int64_t>(rng, {1, 2});
+    s.dil_w = Pick<int64_t>(rng, {1, 2});
+    std::uniform_int_distribution<int64_t> size(1, large ? 14 : 9);
+    s.in_h = size(rng);
+    s.in_w = size(rng);
+    const Padding padding =
+        Pick<Padding>(rng, {Padding::kSame, Padding::kValid, Padding::kExplicit});
+    std::uniform_int_distribution<int64_t> pad(0, 3);
+    const int64_t pt = pad(rng), pb = pad(rng), pl = pad(rng), pr_ = pad(rng);
+    int64_t oh, ph, ow, pw;
+    const bool valid_h =
+        RefAxis(padding, s.in_h, s.k_h, s.stride_h, s.dil_h, pt, pb, &oh, &ph);
+    const bool valid_w =
+        RefAxis(padding, s.in_w, s.k_w, s.stride_w, s.dil_w, pl, pr_, &ow, &pw);
+    const std::string err =
+        tapehook::ComputeConvGeometry(padding, pt, pb, pl, pr_, &s);
+    CHECK(err.empty() == (valid_h && valid_w), "geometry validity: '%s'",
+          err.c_str());
+    if (!err.empty()) continue;  // too small for the filter; draw again
+    CHECK(s.out_h == oh && s.out_w == ow && s.pad_top == ph &&
+              s.pad_left == pw,
+          "geometry %lld %lld %lld %lld vs ref %lld %lld %lld %lld",
+          (long long)s.out_h, (long long)s.out_w, (long long)s.pad_top,
+          (long long)s.pad_left, (long long)oh, (long long)ow, (long long)ph,
+          (long long)pw);
+    break;
+  }
+  pr.x.resize(s.batch * s.in_h * s.in_w * s.in_c);
+  pr.w.resize(s.k_h * s.k_w * s.in_c * s.out_c);
+  pr.dy.resize(s.batch * s.out_h * s.out_w * s.out_c);
+  for (double& v : pr.x) v = Value(rng, pr.clip);
+  for (double& v : pr.w) v = Value(rng, pr.clip);
+  std::uniform_real_distribution<double> u(-1, 1);
+  for (double& v : pr.dy) v = static_cast<float>(u(rng));
+  return pr;
+}
+
+// ---------------------------------------------------------------------------
+// Fixed checks.
+
+void TestGeometry() {
+  struct Case {
+    Padding p;
+    int64_t in, k, stride, dil, pb, pa;
+    bool ok;
+    int64_t out, pad;
+  };
+  const Case cases[] = {
+      {Padding::kSame, 7, 3, 2, 1, 0, 0, true, 4, 1},
+      {Padding::kSame, 8, 3, 2, 1, 0, 0, true, 4, 0},
+      {Padding::kSame, 5, 3, 1, 2, 0, 0, true, 5, 2},  // ek 5, pad total 4
+      {Padding::kSame, 4, 4, 1, 1, 0, 0, true, 4, 1},  // pad total 3
+      {Padding::kSame, 1, 1, 3, 1, 0, 0, true, 1, 0},
+      {Padding::kSame, 2, 5, 1, 1, 0, 0, true, 2, 2},  // filter > input is ok
+      {Padding::kValid, 7, 3, 2, 1, 0, 0, true, 3, 0},
+      {Padding::kValid, 8, 3, 2, 1, 0, 0, true, 3, 0},
+      {Padding::kValid, 7, 3, 1, 2, 0, 0, true, 3, 0},
+      {Padding::kValid, 3, 3, 1, 1, 0, 0, true, 1, 0},
+      {Padding::kValid, 2, 3, 1, 1, 0, 0, false, 0, 0},
+      {Padding::kValid, 4, 3, 1, 2, 0, 0, false, 0, 0},  // ek 5
+      {Padding::kExplicit, 7, 3, 2, 1, 2, 1, true, 4, 2},
+      {Padding::kExplicit, 2, 3, 1, 1, 0, 1, true, 1, 0},
+      {Padding::kExplicit, 5, 1, 1, 1, 0, 3, true, 8, 0},
+      {Padding::kExplicit, 1, 3, 1, 1, 0, 1, false, 0, 0},
+      {Padding::kExplicit, 7, 3, 1, 1, -1, 1, false, 0, 0},
+      {Padding::kSame, 7, 3, 0, 1, 0, 0, false, 0, 0},  // stride 0
+      {Padding::kSame, 7, 3, 1, 0, 0, 0, false, 0, 0},  // dilation 0
+  };
+  for (const Case& c : cases) {
+    // Height gets the case; width a fixed valid axis, then the other way.
+    for (int axis = 0; axis < 2; ++axis) {
+      ConvShape s;
+      s.batch = 2, s.in_c = 3, s.out_c = 4;
+      int64_t* in[2] = {&s.in_h, &s.in_w};
+      int64_t* k[2] = {&s.k_h, &s.k_w};
+      int64_t* st[2] = {&s.stride_h, &s.stride_w};
+      int64_t* dil[2] = {&s.dil_h, &s.dil_w};
+      *in[axis] = c.in, *k[axis] = c.k, *st[axis] = c.stride,
+      *dil[axis] = c.dil;
+      *in[1 - axis] = 9, *k[1 - axis] = 1, *st[1 - axis] = 1,
+      *dil[1 - axis] = 1;
+      int64_t pads[4] = {0, 0, 0, 0};
+      pads[2 * axis] = c.pb, pads[2 * axis + 1] = c.pa;
+      const std::string err = tapehook::ComputeConvGeometry(
+          c.p, pads[0], pads[1], pads[2], pads[3], &s);
+      CHECK(err.empty() == c.ok, "padding %d in %lld k %lld axis %d: '%s'",
+            int(c.p), (long long)c.in, (long long)c.k, axis, err.c_str());
+      if (!c.ok || !err.empty()) continue;
+      const int64_t out = axis == 0 ? s.out_h : s.out_w;
+      const int64_t pad = axis == 0 ? s.pad_top : s.pad_left;
+      const int64_t other_out = axis == 0 ? s.out_w : s.out_h;
+      CHECK(out == c.out && pad == c.pad && other_out == 9,
+            "padding %d in %lld k %lld s %lld: out %lld pad %lld, want "
+            "%lld %lld",
+            int(c.p), (long long)c.in, (long long)c.k, (long long)c.stride,
+            (long long)out, (long long)pad, (long long)c.out,
+            (long long)c.pad);
+    }
+  }
+  ConvShape s;
+  s.batch = 1, s.in_h = s.in_w = 4, s.in_c = 0, s.k_h = s.k_w = 1,
+  s.out_c = 2;
+  CHECK(!tapehook::ComputeConvGeometry(Padding::kSame, 0, 0, 0, 0, &s).empty(),
+        "in_c 0 must be rejected");
+}
+
+void TestParsingAndEstimators() {
+  Estimator e = Estimator::kNone;
+  CHECK(tapehook::ParseEstimator("ste_sign", &e) && e == Estimator::kSteSign,
+        "ste_sign");
+  CHECK(tapehook::ParseEstimator("approx_sign", &e) &&
+            e == Estimator::kApproxSign,
+        "approx_sign");
+  CHECK(tapehook::ParseEstimator("swish_sign", &e) &&
+            e == Estimator::kSwishSign,
+        "swish_sign");
+  CHECK(tapehook::ParseEstimator("none", &e) && e == Estimator::kNone, "none");
+  CHECK(!tapehook::ParseEstimator("sign", &e), "unknown estimator accepted");
+  Scale sc = Scale::kNone;
+  CHECK(tapehook::ParseScale("mean_abs", &sc) && sc == Scale::kMeanAbs,
+        "mean_abs");
+  CHECK(tapehook::ParseScale("none", &sc) && sc == Scale::kNone, "none");
+  CHECK(!tapehook::ParseScale("max_abs", &sc), "unknown scale accepted");
+
+  using tapehook::EstimatorGrad;
+  CHECK(EstimatorGrad(Estimator::kNone, 7.0, 1.0) == 1.0, "none");
+  CHECK(EstimatorGrad(Estimator::kSteSign, 0.5, 0.5) == 1.0, "ste at clip");
+  CHECK(EstimatorGrad(Estimator::kSteSign, -0.51, 0.5) == 0.0, "ste outside");
+  CHECK(EstimatorGrad(Estimator::kApproxSign, -0.25, 0.5) == 1.5, "approx");
+  CHECK(EstimatorGrad(Estimator::kApproxSign, 1.5, 2.0) == 0.0, "approx out");
+  CHECK(std::fabs(EstimatorGrad(Estimator::kSwishSign, 0.0, 1.0) - 5.0) < 1e-15,
+        "swish(0) = beta");
+  for (double t : {-1000.0, -200.0, -3.0, -0.3, 0.1, 0.7, 2.0, 200.0, 1e300}) {
+    for (int k = 1; k < 4; ++k) {
+      const Estimator est = static_cast<Estimator>(k);
+      const double got = EstimatorGrad(est, t, 0.5);
+      const double want = RefEst(est, t, 0.5);
+      CHECK(std::isfinite(got) && std::fabs(got - want) <= 1e-12 * (1 + std::fabs(want)),
+            "estimator %d at %g: %g vs %g", k, t, got, want);
+    }
+  }
+}
+
+// Zero-size batch: nothing to compute, but dw must still be written (as 0).
+void TestEmptyBatch() {
+  ConvShape s;
+  s.batch = 0, s.in_h = s.in_w = 5, s.in_c = 3, s.k_h = s.k_w = 3,
+  s.out_c = 4;
+  CHECK(tapehook::ComputeConvGeometry(Padding::kSame, 0, 0, 0, 0, &s).empty(),
+        "geometry");
+  std::vector<float> w(3 * 3 * 3 * 4, 0.25f);
+  std::vector<float> dw = NaNs<float>(w.size());
+  for (const NamedFor& f : AllFors()) {
+    tapehook::BinaryConv2DForward<float>(s, nullptr, w.data(), true,
+                                         Scale::kMeanAbs, nullptr, f.pf);
+    tapehook::BinaryConv2DBackpropInput<float>(
+        s, nullptr, w.data(), nullptr, Estimator::kSteSign, 1.0,
+        Scale::kMeanAbs, nullptr, f.pf);
+    tapehook::BinaryConv2DBackpropFilter<float>(
+        s, nullptr, w.data(), nullptr, Estimator::kSteSign,
+        Estimator::kSteSign, 1.0, Scale::kMeanAbs, dw.data(), f.pf);
+    bool zeros = true;
+    for (float v : dw) zeros &= v == 0.0f;
+    CHECK(zeros, "dw for an empty batch must be 0 [%s]", f.name);
+  }
+}
+
+}  // namespace
+
+int main() {
+  TestGeometry();
+  TestParsingAndEstimators();
+  TestEmptyBatch();
+
+  constexpr int kCases = 256;
+  std::mt19937_64 rng(20240611);
+  for (int i = 0; i < kCases; ++i) {
+    bool is_float = true;
+    const Problem pr = RandomProblem(rng, i, &is_float);
+    const bool ok = is_float ? RunCase<float>(pr) : RunCase<double>(pr);
+    if (ok) {
+      ++g_stats.passed;
+    } else {
+      ++g_stats.failed;
+      std::printf("FAIL case %d: %s\n", i, Describe(pr, is_float).c_str());
+    }
+  }
+  std::printf(
+      "binary_conv: %d/%d sweep cases passed, %d failed; %d other check "
+      "failures; max |err|/sum|terms| float %.3g double %.3g\n",
+      g_stats.passed, kCases, g_stats.failed, g_failures,
+      g_stats.max_err[0], g_stats.max_err[1]);
+  return g_stats.failed == 0 && g_failures == 0 ? 0 : 1;
+}
