@@ -66,7 +66,8 @@ def reference_result(x, w, spec, g, **conv):
     with tf.GradientTape() as tape:
         tape.watch([x, w])
         y = reference.binary_conv2d(x, w, spec, **conv)
-        loss = tf.reduce_sum(tf.cast(y, tf.float32) * tf.cast(g, tf.float32))
+        wide = tf.float64 if y.dtype == tf.float64 else tf.float32
+        loss = tf.reduce_sum(tf.cast(y, wide) * tf.cast(g, wide))
     dx, dw = tape.gradient(loss, [x, w])
     return y, dx, dw
 

@@ -1,6 +1,6 @@
 // Standalone test of cc_kernels/core/binary_conv.cc (no TensorFlow).
 //
-//   g++ -std=c++17 -O2 -I. tests/cc/test_binary_conv.cc \
+//   g++ -std=c++17 -O2 -I. tests/cc/test_binary_conv.cc
 //       cc_kernels/core/binary_conv.cc -lpthread -o /tmp/t && /tmp/t
 //
 // Every kernel is checked against naive double-precision loops written here
