@@ -105,3 +105,31 @@ def test_fit_step_matches_reference_update(run_eagerly):
     assert_close(model.layers[0].kernel, expected, what="weights after one step")
     counts = tapehook.dispatch_counts()["compiled"]
     assert counts["forward"] >= 1 and counts["backprop_filter"] == 1
+
+
+def test_unmarked_model_fit_is_stock_bit_for_bit():
+    """Same float model trained with tapehook installed and with TF untouched."""
+    from tapehook import patches
+
+    x, _ = random_inputs((8, 6, 6, 2), (1,))
+    y_true = tf.constant(np.random.default_rng(5).normal(size=(8, 6, 6, 3)), tf.float32)
+
+    def train():
+        keras.utils.set_random_seed(7)
+        model = keras.Sequential([keras.Input((6, 6, 2)),
+                                  keras.layers.Conv2D(3, 3, padding="same"),
+                                  keras.layers.Activation("relu"),
+                                  keras.layers.Conv2D(3, 3, padding="same", dilation_rate=2)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        model.fit(x, y_true, batch_size=4, epochs=2, verbose=0, shuffle=False)
+        return [v.numpy() for v in model.weights]
+
+    ours = train()
+    patches.uninstall()
+    try:
+        stock = train()
+    finally:
+        patches.install()
+    for a, b in zip(ours, stock):
+        np.testing.assert_array_equal(a, b)
+    assert tapehook.dispatch_counts()["compiled"]["forward"] == 0
