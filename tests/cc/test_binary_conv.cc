@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
+#include <initializer_list>
 #include <limits>
 #include <random>
 #include <string>
@@ -139,13 +141,13 @@ std::vector<double> RefAlpha(const Problem& pr) {
   const ConvShape& s = pr.s;
   std::vector<double> alpha(s.out_c, 1.0);
   if (pr.scale == Scale::kMeanAbs) {
+    // HWIO: output channel o is every out_c-th element, starting at o.
+    std::vector<double> sum(s.out_c, 0.0);
+    for (size_t i = 0; i < pr.w.size(); ++i) {
+      sum[i % s.out_c] += std::fabs(pr.w[i]);
+    }
     for (int64_t o = 0; o < s.out_c; ++o) {
-      double sum = 0;
-      for (int64_t kh = 0; kh < s.k_h; ++kh)
-        for (int64_t kw = 0; kw < s.k_w; ++kw)
-          for (int64_t c = 0; c < s.in_c; ++c)
-            sum += std::fabs(pr.w[((kh * s.k_w + kw) * s.in_c + c) * s.out_c + o]);
-      alpha[o] = sum / double(s.k_h * s.k_w * s.in_c);
+      alpha[o] = sum[o] / double(s.k_h * s.k_w * s.in_c);
     }
   }
   return alpha;
@@ -367,7 +369,9 @@ V Pick(std::mt19937_64& rng, std::initializer_list<V> xs) {
 }
 
 // Case i enumerates estimators, scale, clip and precision; the shape is
-// random. Every 8th case is larger, to reach full GEMM tiles and blocking.
+// random. Every 7th case has more channels (full GEMM tiles, depth
+// blocking); every 13th has many pixels (many filter-gradient chunks, tap
+// groups). 7 and 13 are coprime to the enumeration, so these meet every mix.
 Problem RandomProblem(std::mt19937_64& rng, int i, bool* is_float) {
   Problem pr;
   pr.act_est = static_cast<Estimator>(i % 4);
@@ -375,7 +379,8 @@ Problem RandomProblem(std::mt19937_64& rng, int i, bool* is_float) {
   pr.scale = static_cast<Scale>(i / 16 % 2);
   pr.clip = i / 32 % 2 ? 0.5 : 1.0;
   *is_float = i / 64 % 2 == 0;
-  const bool large = i % 8 == 7;
+  const bool large = i % 7 == 3;
+  const bool wide = i % 13 == 6;
   ConvShape& s = pr.s;
   while (true) {
     s = ConvShape();
@@ -394,11 +399,12 @@ Problem RandomProblem(std::mt19937_64& rng, int i, bool* is_float) {
     s.stride_w = Pick<int64_t>(rng, {1, 2});
     s.dil_h = Pick<int64_t>(rng, {1, 2});
     s.dil_w = Pick<int64_t>(rng, {1, 2});
-    std::uniform_int_distribution<int64_t> size(1, large ? 14 : 9);
+    std::uniform_int_distribution<int64_t> size(wide ? 24 : 1,
+                                                wide ? 60 : large ? 14 : 9);
     s.in_h = size(rng);
     s.in_w = size(rng);
-    const Padding padding =
-        Pick<Padding>(rng, {Padding::kSame, Padding::kValid, Padding::kExplicit});
+    const Padding padding = Pick<Padding>(
+        rng, {Padding::kSame, Padding::kValid, Padding::kExplicit});
     std::uniform_int_distribution<int64_t> pad(0, 3);
     const int64_t pt = pad(rng), pb = pad(rng), pl = pad(rng), pr_ = pad(rng);
     int64_t oh, ph, ow, pw;
@@ -524,12 +530,18 @@ void TestParsingAndEstimators() {
   CHECK(EstimatorGrad(Estimator::kApproxSign, 1.5, 2.0) == 0.0, "approx out");
   CHECK(std::fabs(EstimatorGrad(Estimator::kSwishSign, 0.0, 1.0) - 5.0) < 1e-15,
         "swish(0) = beta");
+  // Where beta * t itself overflows the formula is inf / inf; the limit is 0.
+  const double inf = std::numeric_limits<double>::infinity();
+  for (double t : {1e308, -1e308, inf, -inf}) {
+    CHECK(EstimatorGrad(Estimator::kSwishSign, t, 1.0) == 0.0, "swish(%g)", t);
+  }
   for (double t : {-1000.0, -200.0, -3.0, -0.3, 0.1, 0.7, 2.0, 200.0, 1e300}) {
     for (int k = 1; k < 4; ++k) {
       const Estimator est = static_cast<Estimator>(k);
       const double got = EstimatorGrad(est, t, 0.5);
       const double want = RefEst(est, t, 0.5);
-      CHECK(std::isfinite(got) && std::fabs(got - want) <= 1e-12 * (1 + std::fabs(want)),
+      CHECK(std::isfinite(got) &&
+                std::fabs(got - want) <= 1e-12 * (1 + std::fabs(want)),
             "estimator %d at %g: %g vs %g", k, t, got, want);
     }
   }
