@@ -8,23 +8,32 @@ those marks and dispatches to tapehook's binary kernels. See docs/design.md.
 from tapehook.conv2d import dispatch_counts, reset_dispatch_counts
 from tapehook.errors import TapehookError
 from tapehook.kernels import kernel_info
+from tapehook.kernels import library as _load_kernels
 from tapehook.marks import binary_spec_of, mark_binary, unmark
+from tapehook.models import binarize
 from tapehook.patches import install as _install
 from tapehook.scope import binary_scope
 from tapehook.spec import BinarySpec
+from tapehook.summary import ModelSummary, summary
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BinarySpec",
     "TapehookError",
+    "binarize",
     "binary_scope",
     "binary_spec_of",
     "dispatch_counts",
     "kernel_info",
+    "ModelSummary",
     "mark_binary",
     "reset_dispatch_counts",
+    "summary",
     "unmark",
 ]
 
 _install()
+# Load (building once if needed) at import, so SavedModels and .keras files
+# holding tapehook ops load in any process that imported tapehook.
+_load_kernels()

@@ -14,9 +14,12 @@ outer tape, a loaded SavedModel) read the spec from the op's attrs.
 """
 
 import threading
+import warnings
 
 import tensorflow as tf
 from tensorflow.python.eager import execute, record
+from tensorflow.python.framework import ops
+from tensorflow.python.ops import control_flow_util
 
 from tapehook import kernels, marks, reference
 from tapehook.errors import TapehookError
@@ -91,6 +94,19 @@ def _check(x, w, attrs):
             f"a marked Conv2D filter must be 4-D [h, w, in, out], got shape {w.shape}")
 
 
+_xla_warned = []
+
+
+def _warn_xla_once():
+    if not _xla_warned:
+        _xla_warned.append(True)
+        warnings.warn(
+            "tapehook: a binary conv is being XLA-compiled (jit_compile=True); "
+            "tapehook's kernels have no XLA implementation, so it runs the same "
+            "math as plain TF ops (the reference path). Use jit_compile=False for "
+            "the binary kernels.", RuntimeWarning, stacklevel=4)
+
+
 def binary_conv2d(x, w, spec: BinarySpec, attrs: dict, name=None):
     """y = conv2d(x_hat, alpha * sign(w)) with the binary backward attached."""
     with tf.name_scope(name or "BinaryConv2D"):
@@ -98,6 +114,10 @@ def binary_conv2d(x, w, spec: BinarySpec, attrs: dict, name=None):
         w = tf.convert_to_tensor(w)
         _check(x, w, attrs)
         library = kernels.library()
+        if library is not None and control_flow_util.GraphOrParentsInXlaContext(
+                ops.get_default_graph()):
+            _warn_xla_once()
+            library = None
         if library is None:
             _count_reference(forward=1)
             return reference.binary_conv2d(

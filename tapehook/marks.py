@@ -149,6 +149,19 @@ def scope_active() -> bool:
     return bool(getattr(_local, "stack", None))
 
 
+def push_scope(spec: BinarySpec, allowed=None) -> None:
+    """Makes ``spec`` the innermost scope on this thread.
+
+    ``allowed``: None (every filter used, and every variable created) or a
+    predicate on a variable (only filters it accepts, decided when used).
+    """
+    scope_stack().append((spec, allowed))
+
+
+def pop_scope() -> None:
+    scope_stack().pop()
+
+
 def spec_for_use(filter_obj, mark=True):
     """The spec a Conv2D filter is binarized with, marking it if a scope asks to.
 
@@ -160,12 +173,17 @@ def spec_for_use(filter_obj, mark=True):
     spec = binary_spec_of(var)
     if spec is None and scope_active():
         spec, allowed = scope_stack()[-1]
-        comps = components(var)
-        if allowed is not None and not any(id(c.handle) in allowed for c in comps):
+        if allowed is not None and not allowed(var):
             return None
         if mark:
             set_mark(var, spec)
+    if spec is None and layer_filter_hook[0] is not None:
+        spec = layer_filter_hook[0](var) if mark else None
     return spec
+
+
+# Set by tapehook.models: a Keras layer being called may know its kernel's spec.
+layer_filter_hook = [None]
 
 
 def scope_marks_created(var) -> None:

@@ -8,6 +8,9 @@
   whose zero padding would otherwise be binarized to +1
 - variable reads, Identity, Cast and ExpandDims tag their output with the
   variable it holds, so a filter read in Python still leads to its marks
+- Keras: Layer.__call__ keeps the layers being called on a per-thread stack
+  (models.py decides binarized models' layers there); Conv layers' get_config
+  / from_config carry the layer's BinarySpec, so .keras files load back binary
 
 ``install`` is all or nothing: if any step fails, the earlier ones are undone.
 """
@@ -18,17 +21,17 @@ import tensorflow as tf
 from tensorflow.python.ops import (gen_array_ops, gen_math_ops, gen_nn_ops,
                                    nn_ops, resource_variable_ops)
 
-from tapehook import conv2d, marks, registry
+from tapehook import conv2d, marks, models, registry
 
 _applied = []  # (owner, attribute name, original), in order of application
+_MISSING = object()  # the attribute was inherited, not set on the owner
 
 
 def _replace(owner, name, make_wrapper):
     original = getattr(owner, name)
-    wrapper = functools.wraps(original)(make_wrapper(original))
-    wrapper.__tapehook_original__ = original
-    setattr(owner, name, wrapper)
-    _applied.append((owner, name, original))
+    own = vars(owner).get(name, _MISSING) if isinstance(owner, type) else original
+    setattr(owner, name, functools.wraps(original)(make_wrapper(original)))
+    _applied.append((owner, name, own))
     return original
 
 
@@ -71,6 +74,60 @@ def _dilated_to_conv2d(original):
     return convolution_internal
 
 
+def _tracked_layer_call(original):
+    """Keras Layer.__call__ with the layer on tapehook's call stack (models.py)."""
+    def __call__(self, *args, **kwargs):
+        stack = models.layer_stack()
+        stack.append(self)
+        try:
+            models.before_layer_call(self)
+            outputs = original(self, *args, **kwargs)
+            models.after_layer_call(self, outputs)
+            return outputs
+        finally:
+            stack.pop()
+    return __call__
+
+
+def _config_with_spec(original):
+    def get_config(self):
+        config = original(self)
+        spec = models.layer_config_spec(self)
+        if spec is not None:
+            config[models.CONFIG_KEY] = models.spec_to_config(spec)
+        return config
+    return get_config
+
+
+def _layer_from_config(original):
+    def from_config(cls, config):
+        config = dict(config)
+        saved = config.pop(models.CONFIG_KEY, None)
+        layer = original(cls, config)
+        if saved is not None:
+            models.restore_layer_spec(layer, saved)
+        return layer
+    return from_config
+
+
+def _install_keras() -> None:
+    try:
+        import keras
+    except ImportError:  # tapehook works without Keras
+        return
+    _replace(keras.Layer, "__call__", _tracked_layer_call)
+    base_conv = next(c for c in keras.layers.Conv2D.__mro__ if "get_config" in vars(c))
+    _replace(base_conv, "get_config", _config_with_spec)
+    own = vars(base_conv).get("from_config", _MISSING)
+    inherited = next(vars(c)["from_config"] for c in base_conv.__mro__
+                     if "from_config" in vars(c))
+    base_conv.from_config = classmethod(functools.wraps(inherited.__func__)(
+        _layer_from_config(inherited.__func__)))
+    _applied.append((base_conv, "from_config", own))
+    marks.layer_filter_hook[0] = models.spec_for_layer_filter
+    _applied.append((marks, "layer_filter_hook", _MISSING))
+
+
 def install() -> None:
     """Applies every patch once (idempotent); undoes all on any failure."""
     if _applied:
@@ -86,6 +143,7 @@ def install() -> None:
         _replace(gen_array_ops, "identity", _tag_passing)
         _replace(gen_array_ops, "expand_dims", _tag_passing)
         _replace(gen_math_ops, "cast", _tag_passing)
+        _install_keras()
     except Exception:
         uninstall()
         raise
@@ -97,6 +155,10 @@ def uninstall() -> None:
         owner, name, original = _applied.pop()
         if owner is registry:
             registry.swap_gradient(name, original)
+        elif owner is marks and name == "layer_filter_hook":
+            marks.layer_filter_hook[0] = None
+        elif original is _MISSING:
+            delattr(owner, name)
         else:
             setattr(owner, name, original)
 

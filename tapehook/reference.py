@@ -50,10 +50,6 @@ def binarize_input(x, spec):
     return sign(x) if spec.activation_estimator else x
 
 
-def binarize_filter(w, spec):
-    return sign(w) * alpha(w, spec.scale)
-
-
 def float_conv2d(x, w, strides, padding, explicit_paddings, dilations):
     """Stock NHWC convolution of float tensors, with any padding and dilation.
 
@@ -75,17 +71,26 @@ def _masked(grad, name, t, clip):
 
 def binary_conv2d_backward(x, w, dy, spec, strides, padding, explicit_paddings,
                            dilations):
-    """(dX, dW) of the binary conv, from stock conv gradients at (x_hat, W_hat)."""
-    x_hat, a = binarize_input(x, spec), alpha(w, spec.scale)
-    w_hat = sign(w) * a
+    """(dX, dW) of the binary conv, from stock conv gradients at (x_hat, sign W).
+
+    alpha is per output channel, so bpf(x_hat, dY) * alpha is the gradient of
+    conv(x_hat, sign W) * alpha with respect to sign W.
+    """
+    x_hat, w_sign = binarize_input(x, spec), sign(w)
     with tf.GradientTape() as tape:
-        tape.watch([x_hat, w_hat])
-        y = float_conv2d(x_hat, w_hat, strides, padding, explicit_paddings, dilations)
-    dx, dw_hat = tape.gradient(y, [x_hat, w_hat], output_gradients=dy)
+        tape.watch([x_hat, w_sign])
+        y = _forward(x_hat, w_sign, w, spec, strides, padding, explicit_paddings, dilations)
+    dx, dw = tape.gradient(y, [x_hat, w_sign], output_gradients=dy)
     if spec.activation_estimator:
         dx = _masked(dx, spec.activation_estimator, x, spec.clip)
-    dw = _masked(dw_hat * a, spec.ste, w, spec.clip)
-    return dx, dw
+    return dx, _masked(dw, spec.ste, w, spec.clip)
+
+
+def _forward(x_hat, w_sign, w, spec, strides, padding, explicit_paddings, dilations):
+    """conv(x_hat, alpha sign W), computed as conv(x_hat, sign W) * alpha: with
+    binary inputs the conv sums exact integers, as the bitpacked kernels do."""
+    y = float_conv2d(x_hat, w_sign, strides, padding, explicit_paddings, dilations)
+    return y * alpha(w, spec.scale) if spec.scale else y
 
 
 def binary_conv2d(x, w, spec, strides=(1, 1, 1, 1), padding="SAME",
@@ -98,8 +103,8 @@ def binary_conv2d(x, w, spec, strides=(1, 1, 1, 1), padding="SAME",
 
     @tf.custom_gradient
     def conv(x, w):
-        y = float_conv2d(binarize_input(x, spec), binarize_filter(w, spec),
-                         strides, padding, explicit_paddings, dilations)
+        y = _forward(binarize_input(x, spec), sign(w), w, spec, strides, padding,
+                     explicit_paddings, dilations)
 
         def grad(dy):
             if on_backward is not None:

@@ -21,25 +21,27 @@ def binary_scope(*, variables=None, activations=False, scale=None,
     spec = marks.make_spec(dict(activations=activations, scale=scale, ste=ste, clip=clip))
     allowed = None
     if variables is not None:
-        allowed, keep_alive = set(), []
+        handles = []  # kept alive by this closure, so their ids stay unique
         for var in variables:
             comps = marks.components(var)
             if comps is None:
                 raise TapehookError(
                     f"binary_scope(variables=...) takes variables, got "
                     f"{type(var).__name__}")
-            keep_alive.append(var)
-            allowed.update(id(c.handle) for c in comps)
+            handles.extend(c.handle for c in comps)
+        ids = {id(h) for h in handles}
+
+        def allowed(var):
+            return any(id(c.handle) in ids for c in marks.components(var))
 
     def mark_created(next_creator, **kwargs):
         var = next_creator(**kwargs)
         marks.scope_marks_created(var)
         return var
 
-    stack = marks.scope_stack()
-    stack.append((spec, allowed))
+    marks.push_scope(spec, allowed)
     try:
         with tf.variable_creator_scope(mark_created):
             yield spec
     finally:
-        stack.pop()
+        marks.pop_scope()

@@ -1,0 +1,260 @@
+"""Whole models: ``tapehook.binarize`` as a class decorator and as a function.
+
+A binarized model carries a policy (spec + include / exclude). Each Keras
+layer call is tracked on a per-thread stack (patches.py wraps Layer.__call__),
+so a policy reaches layers nested in sub-models and layers built lazily at
+their first call: when a Conv-family layer is first called under a binarized
+model, the policy decides its spec once (``layer._tapehook_layer_spec``), and
+its kernel is marked as soon as it exists - before the conv runs, so even the
+first traced step is binary. The layer spec is also written into the layer's
+Keras config, so ``.keras`` files load back binary.
+"""
+
+import fnmatch
+import functools
+import threading
+
+import tensorflow as tf
+
+from tapehook import marks
+from tapehook.errors import TapehookError
+from tapehook.spec import BinarySpec
+
+_POLICY = "_tapehook_policy"
+_LAYER_SPEC = "_tapehook_layer_spec"
+_DECIDED = "_tapehook_decided"
+CONFIG_KEY = "tapehook_binary"
+
+_local = threading.local()
+
+
+def _keras():
+    import keras
+    return keras
+
+
+def layer_stack():
+    if not hasattr(_local, "layers"):
+        _local.layers = []
+    return _local.layers
+
+
+def is_binarizable(layer) -> bool:
+    """Conv-family layers whose kernel tapehook can binarize (Conv1D, Conv2D)."""
+    keras = _keras()
+    return isinstance(layer, (keras.layers.Conv1D, keras.layers.Conv2D))
+
+
+def _set(obj, name, value):
+    object.__setattr__(obj, name, value)  # bypass Keras attribute tracking
+
+
+def _matches(patterns, layer) -> bool:
+    if callable(patterns):
+        return bool(patterns(layer))
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    return any(p(layer) if callable(p) else fnmatch.fnmatchcase(layer.name, p)
+               for p in patterns)
+
+
+class Policy:
+    """Which layers of one model are binary, and with which spec."""
+
+    def __init__(self, spec: BinarySpec, include, exclude, first_and_last_float):
+        self.spec = spec
+        self.include, self.exclude = include, exclude
+        self.first_and_last_float = first_and_last_float
+
+    def edge_layers(self, model):
+        """ids of the first binarizable layer and of the model's last layer.
+
+        Taken once, from the layers the model has when binarized or first
+        called (functional / Sequential: the first conv and the output layer;
+        subclassed: in order of assignment in __init__), so layers created
+        lazily inside call() are never the "last" one.
+        """
+        edges = vars(model).get("_tapehook_edges")
+        if edges is None:
+            layers = [l for l in model._flatten_layers(include_self=False)
+                      if not isinstance(l, _keras().Model)]
+            first = next((l for l in layers if is_binarizable(l)), None)
+            edges = {id(first), id(layers[-1])} if layers else set()
+            _set(model, "_tapehook_edges", edges)
+        return edges
+
+    def decide(self, layer, model):
+        """The spec for ``layer`` inside ``model``, or None to keep it float."""
+        if not is_binarizable(layer):
+            return None
+        if self.first_and_last_float and id(layer) in self.edge_layers(model):
+            return None
+        if self.include is not None and not _matches(self.include, layer):
+            return None
+        if self.exclude is not None and _matches(self.exclude, layer):
+            return None
+        if getattr(layer, "groups", 1) != 1:
+            raise TapehookError(
+                f"layer {layer.name!r} has groups={layer.groups}: Keras runs grouped "
+                f"convolutions under XLA, where tapehook's kernels cannot run; keep it "
+                f"float with exclude=[{layer.name!r}] or use groups=1")
+        return self.spec
+
+
+def _mark_layer(layer, spec):
+    """Gives a layer its spec and marks its kernel if it exists already."""
+    _set(layer, _LAYER_SPEC, spec)
+    _set(layer, _DECIDED, True)
+    if spec is not None:
+        layer.supports_jit = False  # Keras "auto" must not XLA-compile our ops
+        kernel = getattr(layer, "kernel", None) if layer.built else None
+        if kernel is not None and marks.binary_spec_of(kernel) is None:
+            marks.set_mark(kernel, spec)
+
+
+def before_layer_call(layer):
+    """Decides a layer's spec under the nearest binarized model on the stack."""
+    policy = getattr(layer, _POLICY, None)
+    if policy is not None and policy.first_and_last_float:
+        policy.edge_layers(layer)  # fixed before call() creates lazy layers
+    if getattr(layer, _DECIDED, False) or not is_binarizable(layer):
+        return
+    for owner in reversed(layer_stack()):
+        policy = getattr(owner, _POLICY, None)
+        if policy is not None:
+            _mark_layer(layer, policy.decide(layer, owner))
+            return
+
+
+def after_layer_call(layer, outputs):
+    spec = getattr(layer, _LAYER_SPEC, None)
+    if spec is not None:
+        _mark_layer(layer, spec)
+    if getattr(layer, "kernel", None) is not None and hasattr(outputs, "shape"):
+        _set(layer, "_tapehook_output_shape", tuple(outputs.shape))
+
+
+def output_shape_of(layer):
+    """A layer's output shape from its last call (functional or subclassed)."""
+    shape = getattr(layer, "_tapehook_output_shape", None)
+    if shape is None:
+        try:
+            shape = tuple(layer.output.shape)
+        except (AttributeError, ValueError):
+            return None
+    return shape
+
+
+def spec_for_layer_filter(var):
+    """Spec for an unmarked filter used by the innermost layer being called."""
+    stack = layer_stack()
+    if not stack:
+        return None
+    layer = stack[-1]
+    spec = getattr(layer, _LAYER_SPEC, None)
+    kernel = getattr(layer, "kernel", None) if spec is not None else None
+    if kernel is None:
+        return None
+    mine = {id(c.handle) for c in marks.components(kernel) or ()}
+    if any(id(c.handle) in mine for c in marks.components(var) or ()):
+        marks.set_mark(kernel, spec)
+        return spec
+    return None
+
+
+def layer_config_spec(layer):
+    """The spec to save in a layer's config, or None."""
+    spec = getattr(layer, _LAYER_SPEC, None)
+    kernel = getattr(layer, "kernel", None) if getattr(layer, "built", False) else None
+    if kernel is not None:
+        spec = marks.binary_spec_of(kernel) or spec
+    return spec
+
+
+def spec_to_config(spec: BinarySpec) -> dict:
+    return {"activations": spec.activations, "scale": spec.scale,
+            "ste": spec.ste, "clip": spec.clip}
+
+
+def restore_layer_spec(layer, config_value):
+    _mark_layer(layer, BinarySpec(**config_value))
+
+
+def _binarize_class(cls, policy):
+    keras = _keras()
+    if issubclass(cls, keras.Layer):
+        # A class attribute: every instance (and subclass) carries the policy,
+        # and Keras's introspection of __init__ stays untouched.
+        setattr(cls, _POLICY, policy)
+        return cls
+    if issubclass(cls, tf.Module):
+        if policy.first_and_last_float:
+            raise TapehookError(
+                "first_and_last_float needs Keras layers; on a tf.Module use "
+                "exclude=[variable name patterns]")
+        original_call = cls.__call__
+
+        @functools.wraps(original_call)
+        def __call__(self, *args, **kwargs):
+            marks.push_scope(policy.spec, functools.partial(_module_owns, self, policy))
+            try:
+                return original_call(self, *args, **kwargs)
+            finally:
+                marks.pop_scope()
+
+        cls.__call__ = __call__
+        return cls
+    raise TapehookError(
+        f"binarize decorates keras.Model or tf.Module subclasses, got {cls.__name__}")
+
+
+def _variable_matches(patterns, var) -> bool:
+    if callable(patterns):
+        return bool(patterns(var))
+    name = var.name.split(":")[0]
+    return any(p(var) if callable(p) else fnmatch.fnmatchcase(name, p)
+               for p in ([patterns] if isinstance(patterns, str) else patterns))
+
+
+def _module_owns(module, policy, var) -> bool:
+    """Is ``var`` one of ``module``'s variables that the policy binarizes?"""
+    ids = {id(c.handle) for v in module.variables for c in marks.components(v)}
+    return (any(id(c.handle) in ids for c in marks.components(var))
+            and (policy.include is None or _variable_matches(policy.include, var))
+            and (policy.exclude is None or not _variable_matches(policy.exclude, var)))
+
+
+def binarize(target=None, /, *, include=None, exclude=None,
+             first_and_last_float=False, **spec):
+    """Binarize the Conv1D / Conv2D kernels of a model.
+
+    As a decorator on a keras.Model (or tf.Module) subclass, or called on an
+    existing model (marked in place and returned). ``include`` / ``exclude``:
+    layer-name glob patterns, a list of them, or a predicate on the layer.
+    ``first_and_last_float=True`` keeps the first conv layer and the model's
+    last layer in float, the usual BNN recipe. ``spec``: BinarySpec fields.
+    """
+    policy = Policy(marks.make_spec(spec), include, exclude, first_and_last_float)
+    if target is None:
+        return lambda t: _binarize_target(t, policy)
+    return _binarize_target(target, policy)
+
+
+def _binarize_target(target, policy):
+    if isinstance(target, type):
+        return _binarize_class(target, policy)
+    keras = _keras()
+    if isinstance(target, keras.Layer):
+        _set(target, _POLICY, policy)
+        for layer in target._flatten_layers(include_self=False):
+            if is_binarizable(layer):
+                _mark_layer(layer, policy.decide(layer, target))
+        return target
+    if isinstance(target, tf.Module):
+        for var in target.variables:
+            if var.shape.rank in (3, 4) and _module_owns(target, policy, var):
+                marks.set_mark(var, policy.spec)
+        return target
+    raise TapehookError(
+        f"binarize takes a keras.Model, a tf.Module or a subclass of either, got "
+        f"{type(target).__name__}")

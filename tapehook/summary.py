@@ -1,0 +1,103 @@
+"""tapehook.summary(model): a per-layer table of what is binary and what it costs."""
+
+import dataclasses
+import math
+
+from tapehook import marks, models
+
+
+@dataclasses.dataclass
+class ModelSummary:
+    """``rows``: one dict per layer; ``totals``: sums. ``str()`` is the table."""
+
+    rows: list
+    totals: dict
+
+    def __str__(self):
+        header = ("layer", "type", "binary", "spec", "params", "mem 32-bit",
+                  "mem binarized", "binary MACs", "float MACs")
+        lines = [header] + [
+            (r["name"], r["type"], "yes" if r["binary"] else "no", r["spec"],
+             f"{r['params']:,}", _bytes(r["float32_bytes"]), _bytes(r["binarized_bytes"]),
+             _count(r["binary_macs"]), _count(r["float_macs"])) for r in self.rows]
+        t = self.totals
+        lines.append(("total", "", f"{t['binary_layers']} layers", "", f"{t['params']:,}",
+                      _bytes(t["float32_bytes"]), _bytes(t["binarized_bytes"]),
+                      _count(t["binary_macs"]), _count(t["float_macs"])))
+        widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
+        text = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in lines]
+        text.insert(1, "  ".join("-" * w for w in widths))
+        text.insert(len(text) - 1, text[1])
+        ratio = t["float32_bytes"] / max(t["binarized_bytes"], 1)
+        text.append(f"binary params: {t['binary_params']:,} of {t['params']:,}; "
+                    f"model memory {_bytes(t['float32_bytes'])} at 32 bits, "
+                    f"{_bytes(t['binarized_bytes'])} with 1-bit binary kernels "
+                    f"({ratio:.1f}x smaller); MACs per sample.")
+        return "\n".join(text)
+
+
+def _bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+
+
+def _count(n):
+    return f"{n / 1e6:.2f}M" if n else "0"
+
+
+def _spec_text(spec):
+    if spec is None:
+        return ""
+    parts = [spec.ste]
+    if spec.activation_estimator:
+        parts.append(f"act={spec.activation_estimator}")
+    if spec.scale:
+        parts.append(spec.scale)
+    if spec.clip != 1.0 and "ste_sign" in (spec.ste, spec.activation_estimator):
+        parts.append(f"clip={spec.clip:g}")
+    return " ".join(parts)
+
+
+def _macs(layer):
+    """Multiply-accumulates per sample of a conv or dense layer, else 0."""
+    kernel = getattr(layer, "kernel", None)
+    if kernel is None or not getattr(layer, "built", False):
+        return 0
+    shape = models.output_shape_of(layer)
+    if shape is None:
+        return 0
+    pixels = math.prod(d for d in shape[1:-1] if d is not None)
+    return pixels * math.prod(kernel.shape)
+
+
+def summary(model, print_fn=print) -> ModelSummary:
+    """Per-layer table: binary or float, spec, parameters, memory at 32 bits and
+    with binary kernels stored at 1 bit (plus alpha), binary and float MACs.
+    Printed with ``print_fn`` (None to skip) and returned as data."""
+    rows = []
+    for layer in model._flatten_layers(include_self=False):
+        if layer._flatten_layers(include_self=False):
+            continue  # a container: its layers have rows of their own
+        params = sum(math.prod(w.shape) for w in layer.weights)
+        kernel = getattr(layer, "kernel", None)
+        spec = marks.binary_spec_of(kernel) if kernel is not None else None
+        binary_params = math.prod(kernel.shape) if spec else 0
+        alpha_bytes = 4 * kernel.shape[-1] if spec and spec.scale else 0
+        macs = _macs(layer)
+        rows.append(dict(
+            name=layer.name, type=type(layer).__name__, binary=spec is not None,
+            spec=_spec_text(spec), params=params, binary_params=binary_params,
+            float32_bytes=4 * params,
+            binarized_bytes=4 * (params - binary_params) + math.ceil(binary_params / 8)
+            + alpha_bytes,
+            binary_macs=macs if spec else 0, float_macs=0 if spec else macs))
+    keys = ("params", "binary_params", "float32_bytes", "binarized_bytes",
+            "binary_macs", "float_macs")
+    totals = {k: sum(r[k] for r in rows) for k in keys}
+    totals["binary_layers"] = sum(r["binary"] for r in rows)
+    result = ModelSummary(rows, totals)
+    if print_fn is not None:
+        print_fn(str(result))
+    return result
