@@ -24,6 +24,7 @@ import warnings
 
 import tensorflow as tf
 
+from tapehook import cuda_build
 from tapehook.errors import TapehookError
 
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
@@ -64,7 +65,17 @@ def build_flags(root):
     return compile_flags, list(tf.sysconfig.get_link_flags())
 
 
-def _cache_key(root, compile_flags, link_flags):
+def cuda_plan():
+    """(build CUDA kernels?, reason if not) for the installed TensorFlow."""
+    if os.environ.get("TAPEHOOK_NO_CUDA"):
+        return False, "TAPEHOOK_NO_CUDA is set"
+    if not tf.test.is_built_with_cuda():
+        return False, f"this TensorFlow ({tf.__version__}) is a CPU-only build"
+    reason = cuda_build.cuda_unavailable_reason()
+    return reason is None, reason
+
+
+def _cache_key(root, compile_flags, link_flags, with_cuda):
     try:
         version = subprocess.run([_compiler(), "--version"], capture_output=True,
                                  text=True, check=True).stdout.splitlines()[0]
@@ -73,10 +84,14 @@ def _cache_key(root, compile_flags, link_flags):
             f"no C++ compiler: `{_compiler()} --version` failed ({exc}); install g++ "
             f"(Debian: apt install g++) or set CXX") from None
     digest = hashlib.sha256()
+    if with_cuda:
+        nvcc = cuda_build.find_nvcc()
+        version += subprocess.run([nvcc, "--version"], capture_output=True,
+                                  text=True).stdout + " ".join(cuda_build.gencode_flags())
     for part in (tf.__version__, version, *compile_flags, *link_flags):
         digest.update(part.encode() + b"\0")
     for path in sorted(root.rglob("*")):
-        if path.suffix in (".cc", ".h") and "cuda" not in path.parts:
+        if path.suffix in (".cc", ".h", ".cu") and (with_cuda or "cuda" not in path.parts):
             digest.update(path.relative_to(root).as_posix().encode() + b"\0")
             digest.update(path.read_bytes())
     return f"tf{tf.__version__}-{digest.hexdigest()[:16]}"
@@ -87,10 +102,19 @@ def cache_root() -> pathlib.Path:
     return pathlib.Path(os.environ.get("TAPEHOOK_CACHE_DIR", default / "tapehook"))
 
 
-def _compile(root, compile_flags, link_flags, out_path):
-    """Compiles each source to an object (at most 2 at once), then links."""
+def _compile(root, compile_flags, link_flags, out_path, with_cuda):
+    """Compiles each source to an object (at most 2 at once), then links.
+
+    With CUDA, cc_kernels/cuda/*.cu are compiled by nvcc first, and
+    -DGOOGLE_CUDA=1 turns on the GPU registrations in tf/binary_conv_ops_gpu.cc.
+    """
     with tempfile.TemporaryDirectory(prefix="tapehook-build-") as tmp:
         objects, jobs = [], []
+        if with_cuda:
+            cuda_objects, cuda_cflags, cuda_ldflags = cuda_build.compile_cuda(root, tmp)
+            objects += [pathlib.Path(o) for o in cuda_objects]
+            compile_flags = [*compile_flags, *cuda_cflags]
+            link_flags = [*link_flags, *cuda_ldflags]
         for src in _sources(root):
             obj = pathlib.Path(tmp) / (src.parent.name + "_" + src.stem + ".o")
             objects.append(obj)
@@ -122,17 +146,19 @@ def build(force=False) -> dict:
     """
     root = source_dir()
     compile_flags, link_flags = build_flags(root)
-    directory = cache_root() / _cache_key(root, compile_flags, link_flags)
+    with_cuda, no_cuda_reason = cuda_plan()
+    directory = cache_root() / _cache_key(root, compile_flags, link_flags, with_cuda)
     directory.mkdir(parents=True, exist_ok=True)
     lib_path, record_path = directory / LIBRARY_NAME, directory / "build.json"
     with open(directory / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         fresh = force or not (lib_path.exists() and record_path.exists())
         if fresh:
-            _compile(root, compile_flags, link_flags, lib_path)
+            _compile(root, compile_flags, link_flags, lib_path, with_cuda)
             record_path.write_text(json.dumps({
                 "tf_version": tf.__version__, "compile_flags": compile_flags,
-                "link_flags": link_flags, "sources": str(root),
+                "link_flags": link_flags, "sources": str(root), "cuda": with_cuda,
+                "no_cuda_reason": no_cuda_reason,
             }, indent=1))
     record = json.loads(record_path.read_text())
     record.update(path=str(lib_path), fresh_build=fresh)
@@ -204,11 +230,13 @@ def kernel_info() -> dict:
     cpu = dict(_state["info"])
     if _forced_reference[0]:
         cpu["forced_reference"] = True
-    return {
-        "cpu": cpu,
-        "gpu": {"loaded": False, "reason": "no CUDA kernels in this build yet"},
-        "tensorflow": tf.__version__,
-    }
+    if cpu.get("cuda"):
+        gpu = {"loaded": True, "path": cpu["path"],
+               "devices": [d.name for d in tf.config.list_physical_devices("GPU")]}
+    else:
+        gpu = {"loaded": False,
+               "reason": cpu.get("no_cuda_reason") or cpu.get("reason") or cuda_plan()[1]}
+    return {"cpu": cpu, "gpu": gpu, "tensorflow": tf.__version__}
 
 
 def compiled_counts() -> dict:

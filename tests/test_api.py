@@ -226,7 +226,7 @@ def test_kernel_info_reports_loaded_library():
     assert info["cpu"]["loaded"] is True, info
     assert info["cpu"]["tf_version"] == tf.__version__
     assert "-std=c++17" in info["cpu"]["compile_flags"]
-    assert info["gpu"]["loaded"] is False and info["gpu"]["reason"]
+    assert info["gpu"]["loaded"] is False and "CPU-only build" in info["gpu"]["reason"]
 
 
 def test_cached_library_is_reused_and_version_checked(tmp_path, monkeypatch):
@@ -238,7 +238,7 @@ def test_cached_library_is_reused_and_version_checked(tmp_path, monkeypatch):
         "tf_version": "0.0.1"}))
     monkeypatch.setattr(kernels, "cache_root", lambda: tmp_path / "cache")
     key_dir = tmp_path / "cache" / kernels._cache_key(
-        kernels.source_dir(), *kernels.build_flags(kernels.source_dir()))
+        kernels.source_dir(), *kernels.build_flags(kernels.source_dir()), False)
     key_dir.mkdir(parents=True)
     (key_dir / kernels.LIBRARY_NAME).write_bytes(b"")
     (key_dir / "build.json").write_text(build_json.read_text())

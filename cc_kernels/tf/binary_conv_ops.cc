@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/binary_conv.h"
+#include "tf/conv_attrs.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -28,8 +29,7 @@ using ::tensorflow::TensorShape;
 namespace shape_inference = ::tensorflow::shape_inference;
 namespace errors = ::tensorflow::errors;
 
-// How many times each compiled kernel ran, in any execution mode.
-enum CountKind { kForward = 0, kBackpropInput = 1, kBackpropFilter = 2, kNumKinds };
+// How many times each compiled kernel (CPU or GPU) ran, in any execution mode.
 std::atomic<int64_t> g_counts[kNumKinds];
 
 // Attrs shared by the forward and both backprops, so the gradient can rebuild
@@ -76,90 +76,6 @@ REGISTER_OP("TapehookBinaryConv2DBackpropFilter")
       c->set_output(0, c->input(1));
       return absl::OkStatus();
     });
-
-// Parsed attrs of one op instance.
-struct ConvAttrs {
-  std::vector<int32_t> strides, dilations;
-  std::vector<int64_t> explicit_paddings;
-  Padding padding = Padding::kSame;
-  Scale scale = Scale::kNone;
-  Estimator weight_est = Estimator::kSteSign;
-  Estimator act_est = Estimator::kNone;
-  float clip = 1.0f;
-};
-
-absl::Status ParseAttrs(OpKernelConstruction* ctx, ConvAttrs* a) {
-  std::string padding, data_format, scale, w_est, act_est;
-  TF_RETURN_IF_ERROR(ctx->GetAttr("strides", &a->strides));
-  TF_RETURN_IF_ERROR(ctx->GetAttr("dilations", &a->dilations));
-  TF_RETURN_IF_ERROR(ctx->GetAttr("explicit_paddings", &a->explicit_paddings));
-  TF_RETURN_IF_ERROR(ctx->GetAttr("padding", &padding));
-  TF_RETURN_IF_ERROR(ctx->GetAttr("data_format", &data_format));
-  TF_RETURN_IF_ERROR(ctx->GetAttr("scale", &scale));
-  TF_RETURN_IF_ERROR(ctx->GetAttr("weight_estimator", &w_est));
-  TF_RETURN_IF_ERROR(ctx->GetAttr("activation_estimator", &act_est));
-  TF_RETURN_IF_ERROR(ctx->GetAttr("clip", &a->clip));
-  if (data_format != "NHWC") {
-    return errors::Unimplemented(
-        "tapehook binary Conv2D supports data_format NHWC only on CPU; got ",
-        data_format, ". Use NHWC (Keras: data_format='channels_last').");
-  }
-  if (a->strides.size() != 4 || a->dilations.size() != 4) {
-    return errors::InvalidArgument("strides and dilations must have 4 entries");
-  }
-  if (a->strides[0] != 1 || a->strides[3] != 1 || a->dilations[0] != 1 ||
-      a->dilations[3] != 1) {
-    return errors::InvalidArgument(
-        "strides and dilations in the batch and depth dimensions must be 1");
-  }
-  a->padding = padding == "SAME"    ? Padding::kSame
-               : padding == "VALID" ? Padding::kValid
-                                    : Padding::kExplicit;
-  if (a->padding == Padding::kExplicit && a->explicit_paddings.size() != 8) {
-    return errors::InvalidArgument(
-        "padding EXPLICIT needs 8 explicit_paddings, got ",
-        a->explicit_paddings.size());
-  }
-  if (!ParseScale(scale, &a->scale) ||
-      !ParseEstimator(w_est, &a->weight_est) ||
-      !ParseEstimator(act_est, &a->act_est)) {
-    return errors::InvalidArgument("unknown scale or estimator attr");
-  }
-  if (!(a->clip > 0)) return errors::InvalidArgument("clip must be > 0");
-  return absl::OkStatus();
-}
-
-absl::Status MakeShape(const ConvAttrs& a, const Tensor& x, const Tensor& w,
-                       ConvShape* s) {
-  if (x.dims() != 4 || w.dims() != 4) {
-    return errors::InvalidArgument("binary Conv2D needs a 4-D input and a 4-D "
-                                   "filter, got ", x.shape().DebugString(),
-                                   " and ", w.shape().DebugString());
-  }
-  if (x.dim_size(3) != w.dim_size(2)) {
-    return errors::InvalidArgument("input depth ", x.dim_size(3),
-                                   " does not match filter in_channels ",
-                                   w.dim_size(2));
-  }
-  s->batch = x.dim_size(0);
-  s->in_h = x.dim_size(1);
-  s->in_w = x.dim_size(2);
-  s->in_c = x.dim_size(3);
-  s->k_h = w.dim_size(0);
-  s->k_w = w.dim_size(1);
-  s->out_c = w.dim_size(3);
-  s->stride_h = a.strides[1];
-  s->stride_w = a.strides[2];
-  s->dil_h = a.dilations[1];
-  s->dil_w = a.dilations[2];
-  const auto& p = a.explicit_paddings;
-  const bool ex = a.padding == Padding::kExplicit;
-  std::string err = ComputeConvGeometry(a.padding, ex ? p[2] : 0,
-                                        ex ? p[3] : 0, ex ? p[4] : 0,
-                                        ex ? p[5] : 0, s);
-  if (!err.empty()) return errors::InvalidArgument(err);
-  return absl::OkStatus();
-}
 
 ParallelFor ThreadPoolOf(OpKernelContext* ctx) {
   auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
@@ -246,7 +162,7 @@ class BinaryConv2DOp : public OpKernel {
                         attrs_.act_est != Estimator::kNone, attrs_.scale,
                         out.data(), ThreadPoolOf(ctx));
     out.Store();
-    g_counts[kForward].fetch_add(1, std::memory_order_relaxed);
+    CountDispatch(kForward);
   }
 
  private:
@@ -266,11 +182,7 @@ class BinaryConv2DBackpropOp : public OpKernel {
     const Tensor& dy = ctx->input(2);
     ConvShape s;
     OP_REQUIRES_OK(ctx, MakeShape(attrs_, x, w, &s));
-    const TensorShape want({s.batch, s.out_h, s.out_w, s.out_c});
-    OP_REQUIRES(ctx, dy.shape() == want,
-                errors::InvalidArgument("out_backprop has shape ",
-                                        dy.shape().DebugString(), ", expected ",
-                                        want.DebugString()));
+    OP_REQUIRES_OK(ctx, CheckOutBackprop(s, dy));
     Tensor* grad = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, kFilter ? w.shape() : x.shape(),
                                              &grad));
@@ -287,8 +199,7 @@ class BinaryConv2DBackpropOp : public OpKernel {
                                 out.data(), ThreadPoolOf(ctx));
     }
     out.Store();
-    g_counts[kFilter ? kBackpropFilter : kBackpropInput].fetch_add(
-        1, std::memory_order_relaxed);
+    CountDispatch(kFilter ? kBackpropFilter : kBackpropInput);
   }
 
  private:
@@ -320,6 +231,11 @@ REGISTER_CPU(float);
 REGISTER_CPU(double);
 
 }  // namespace
+
+void CountDispatch(CountKind kind) {
+  g_counts[kind].fetch_add(1, std::memory_order_relaxed);
+}
+
 }  // namespace tapehook
 
 // Plain C entry points read with ctypes: dispatch counters and build facts.

@@ -1,0 +1,120 @@
+// Attr parsing and shape checks shared by the CPU (binary_conv_ops.cc) and
+// GPU (binary_conv_ops_gpu.cc) kernels of the three tapehook ops.
+#ifndef TAPEHOOK_TF_CONV_ATTRS_H_
+#define TAPEHOOK_TF_CONV_ATTRS_H_
+
+#include <string>
+#include <vector>
+
+#include "core/binary_conv.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor.h"
+
+namespace tapehook {
+
+// Parsed attrs of one op instance.
+struct ConvAttrs {
+  std::vector<int32_t> strides, dilations;
+  std::vector<int64_t> explicit_paddings;
+  Padding padding = Padding::kSame;
+  Scale scale = Scale::kNone;
+  Estimator weight_est = Estimator::kSteSign;
+  Estimator act_est = Estimator::kNone;
+  float clip = 1.0f;
+};
+
+inline absl::Status ParseAttrs(::tensorflow::OpKernelConstruction* ctx,
+                               ConvAttrs* a) {
+  namespace errors = ::tensorflow::errors;
+  std::string padding, data_format, scale, w_est, act_est;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("strides", &a->strides));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("dilations", &a->dilations));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("explicit_paddings", &a->explicit_paddings));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("padding", &padding));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("data_format", &data_format));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("scale", &scale));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("weight_estimator", &w_est));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("activation_estimator", &act_est));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("clip", &a->clip));
+  if (data_format != "NHWC") {
+    return errors::Unimplemented(
+        "tapehook binary Conv2D supports data_format NHWC only; got ",
+        data_format, ". Use NHWC (Keras: data_format='channels_last').");
+  }
+  if (a->strides.size() != 4 || a->dilations.size() != 4) {
+    return errors::InvalidArgument("strides and dilations must have 4 entries");
+  }
+  if (a->strides[0] != 1 || a->strides[3] != 1 || a->dilations[0] != 1 ||
+      a->dilations[3] != 1) {
+    return errors::InvalidArgument(
+        "strides and dilations in the batch and depth dimensions must be 1");
+  }
+  a->padding = padding == "SAME"    ? Padding::kSame
+               : padding == "VALID" ? Padding::kValid
+                                    : Padding::kExplicit;
+  if (a->padding == Padding::kExplicit && a->explicit_paddings.size() != 8) {
+    return errors::InvalidArgument(
+        "padding EXPLICIT needs 8 explicit_paddings, got ",
+        a->explicit_paddings.size());
+  }
+  if (!ParseScale(scale, &a->scale) ||
+      !ParseEstimator(w_est, &a->weight_est) ||
+      !ParseEstimator(act_est, &a->act_est)) {
+    return errors::InvalidArgument("unknown scale or estimator attr");
+  }
+  if (!(a->clip > 0)) return errors::InvalidArgument("clip must be > 0");
+  return absl::OkStatus();
+}
+
+inline absl::Status MakeShape(const ConvAttrs& a,
+                              const ::tensorflow::Tensor& x,
+                              const ::tensorflow::Tensor& w, ConvShape* s) {
+  namespace errors = ::tensorflow::errors;
+  if (x.dims() != 4 || w.dims() != 4) {
+    return errors::InvalidArgument("binary Conv2D needs a 4-D input and a 4-D "
+                                   "filter, got ", x.shape().DebugString(),
+                                   " and ", w.shape().DebugString());
+  }
+  if (x.dim_size(3) != w.dim_size(2)) {
+    return errors::InvalidArgument("input depth ", x.dim_size(3),
+                                   " does not match filter in_channels ",
+                                   w.dim_size(2));
+  }
+  s->batch = x.dim_size(0);
+  s->in_h = x.dim_size(1);
+  s->in_w = x.dim_size(2);
+  s->in_c = x.dim_size(3);
+  s->k_h = w.dim_size(0);
+  s->k_w = w.dim_size(1);
+  s->out_c = w.dim_size(3);
+  s->stride_h = a.strides[1];
+  s->stride_w = a.strides[2];
+  s->dil_h = a.dilations[1];
+  s->dil_w = a.dilations[2];
+  const auto& p = a.explicit_paddings;
+  const bool ex = a.padding == Padding::kExplicit;
+  std::string err = ComputeConvGeometry(a.padding, ex ? p[2] : 0,
+                                        ex ? p[3] : 0, ex ? p[4] : 0,
+                                        ex ? p[5] : 0, s);
+  if (!err.empty()) return errors::InvalidArgument(err);
+  return absl::OkStatus();
+}
+
+// out_backprop must have the forward's output shape.
+inline absl::Status CheckOutBackprop(const ConvShape& s,
+                                     const ::tensorflow::Tensor& dy) {
+  const ::tensorflow::TensorShape want({s.batch, s.out_h, s.out_w, s.out_c});
+  if (dy.shape() == want) return absl::OkStatus();
+  return ::tensorflow::errors::InvalidArgument(
+      "out_backprop has shape ", dy.shape().DebugString(), ", expected ",
+      want.DebugString());
+}
+
+// Executions of the compiled kernels, read by tapehook.dispatch_counts().
+enum CountKind { kForward = 0, kBackpropInput = 1, kBackpropFilter = 2, kNumKinds };
+// Defined once, in binary_conv_ops.cc.
+void CountDispatch(CountKind kind);
+
+}  // namespace tapehook
+
+#endif  // TAPEHOOK_TF_CONV_ATTRS_H_
