@@ -22,3 +22,8 @@ test: kernels
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# TF 2.16 ... nightly in fresh venvs; writes docs/compat.md (~15 min, ~30 GB in /tmp).
+.PHONY: compat
+compat:
+	python3 scripts/compat.py

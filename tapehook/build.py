@@ -3,7 +3,9 @@
 import json
 
 if __name__ == "__main__":
-    from tapehook import kernels
+    import tapehook  # builds (or finds cached) and loads the kernels at import
 
-    record = kernels.build()
-    print(json.dumps({k: record[k] for k in ("path", "tf_version", "fresh_build")}, indent=1))
+    info = tapehook.kernel_info()
+    print(json.dumps(info, indent=1, default=str))
+    if not info["cpu"]["loaded"]:
+        raise SystemExit(f"kernels not built: {info['cpu']['reason']}")

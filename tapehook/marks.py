@@ -26,11 +26,13 @@ _SUPPORTED_NAMES = "half, bfloat16, float32, float64"
 
 
 def _keras_variable_type():
+    """The base class of every Keras 3 variable (Keras 3.0-3.6 named it KerasVariable;
+    there, layers create a class that is not the exported keras.Variable)."""
     try:
-        import keras
-        return keras.Variable
+        from keras.src.backend.common import variables
     except ImportError:  # Keras is optional for tapehook's core
         return ()
+    return getattr(variables, "KerasVariable", None) or variables.Variable
 
 
 def components(obj):
