@@ -10,7 +10,7 @@ def test_core_against_naive_loops(tmp_path):
     binary = tmp_path / "test_binary_conv"
     subprocess.run(["g++", "-std=c++17", "-O2", "-Wall", f"-I{ROOT}",
                     str(ROOT / "tests/cc/test_binary_conv.cc"),
-                    str(ROOT / "cc_kernels/core/binary_conv.cc"),
+                    *map(str, sorted(ROOT.glob("cc_kernels/core/*.cc"))),
                     "-lpthread", "-o", str(binary)], check=True)
     run = subprocess.run([str(binary)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]

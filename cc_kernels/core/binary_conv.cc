@@ -2,10 +2,13 @@
 // GEMM. Plain portable C++17; the inner loops are written so that -O3
 // vectorizes them without any -march flags.
 #include "binary_conv.h"
+#include "simd_avx2.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cmath>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace tapehook {
@@ -121,27 +124,29 @@ std::string ComputeConvGeometry(Padding padding, int64_t pad_t, int64_t pad_b,
 
 namespace {
 
-// Output pixels per im2col block: a [P, K] block stays in L1/L2.
-constexpr int64_t kPixelBlock = 32;
+// Output pixels per im2col block: a [P, K] block stays in L2; a multiple
+// of both GEMM tiles' row counts (4 and 6).
+constexpr int64_t kPixelBlock = 48;
 // BackpropFilter's GEMM has depth = pixels; longer blocks amortize the loads
-// and stores of its [K, out_c] accumulator.
-constexpr int64_t kFilterPixelBlock = 128;
+// and stores of its accumulator (the unit's rows of dW).
+constexpr int64_t kFilterPixelBlock = 256;
 // Depth of one GEMM pass, so the panels of A and B a tile reads stay in L1.
 constexpr int64_t kDepthBlock = 128;
-// BackpropFilter keeps one [K, out_c] partial sum per chunk of pixels, and
-// splits chunks further by kernel taps until there are enough work units
-// to keep a large thread pool busy.
-constexpr int64_t kMaxFilterPartials = 64;
-constexpr int64_t kFilterPartialBytes = int64_t{128} << 20;
-constexpr int64_t kFilterUnits = 64;
+// Columns of B per pass: a [kDepthBlock, kColumnBlock] slice is 128 KiB.
+constexpr int64_t kColumnBlock = 256;
+// Input channels per BackpropFilter work unit (one tap times this many
+// channels are the unit's rows of dW).
+constexpr int64_t kFilterChannelBlock = 64;
+
+int64_t RoundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
 template <typename T>
 inline T Sign(T t) {
   return t >= T(0) ? T(1) : T(-1);
 }
 
-// Register tile of the GEMM: kMR rows by kNR columns of C, kNR being two
-// 128-bit vectors (SSE2 is all that the portable build may assume).
+// Portable register tile of the GEMM: kMR rows by kNR columns of C, kNR
+// being two 128-bit vectors (SSE2 is all that the portable build may assume).
 template <typename T>
 struct GemmTile {
   static constexpr int kMR = 4;
@@ -149,15 +154,13 @@ struct GemmTile {
 };
 
 // c[i, j] (+)= sum_k a[k][i] * b[k, j] for one tile, a being a packed
-// [depth][kMR] panel. With kFullN the tile is kNR wide, its loops unroll
+// [depth][MR] panel. With kFullN the tile is NR wide, its loops unroll
 // fully and acc lives in registers. Rows >= mr of the panel are zeros and are
 // computed but not stored.
-template <typename T, bool kFullN>
+template <typename T, int MR, int NR, bool kFullN>
 inline void GemmTileKernel(int64_t depth, const T* a, const T* b, int64_t ldb,
                            T* c, int64_t ldc, bool accumulate, int mr,
                            int nr) {
-  constexpr int MR = GemmTile<T>::kMR;
-  constexpr int NR = GemmTile<T>::kNR;
   const int n = kFullN ? NR : nr;
   T acc[MR][NR] = {};
   if (accumulate) {
@@ -177,42 +180,130 @@ inline void GemmTileKernel(int64_t depth, const T* a, const T* b, int64_t ldb,
   }
 }
 
-// C[m, n] (+)= A[m, depth] * B[depth, n]. B and C are row-major; A is read
-// through strides so col*W, dY*W^T and col^T*dY all use this one routine.
-// A is packed into [depth][kMR] panels first: the tile kernel then reads it
-// contiguously, and the compiler vectorizes across columns, not depth.
+// Column width of the GEMM's register tile with the ISA in use.
 template <typename T>
-void Gemm(int64_t m, int64_t n, int64_t depth, const T* a, int64_t a_rs,
-          int64_t a_cs, const T* b, int64_t ldb, T* c, int64_t ldc,
-          bool accumulate) {
-  constexpr int MR = GemmTile<T>::kMR;
-  constexpr int NR = GemmTile<T>::kNR;
-  T panel[kDepthBlock * MR];
-  for (int64_t k0 = 0; k0 < depth; k0 += kDepthBlock) {
-    const int64_t kc = std::min(kDepthBlock, depth - k0);
-    const bool acc = accumulate || k0 > 0;
-    const T* bk = b + k0 * ldb;
-    for (int64_t i0 = 0; i0 < m; i0 += MR) {
-      const int mr = static_cast<int>(std::min<int64_t>(MR, m - i0));
-      const T* at = a + i0 * a_rs + k0 * a_cs;
-      for (int64_t k = 0; k < kc; ++k) {
-        for (int i = 0; i < MR; ++i) {
-          panel[k * MR + i] = i < mr ? at[i * a_rs + k * a_cs] : T(0);
+int GemmNR() {
+#if TAPEHOOK_HAVE_AVX2_PATH
+  if (simd::Avx2Usable()) return simd::GemmNR<T>();
+#endif
+  return GemmTile<T>::kNR;
+}
+
+// B[depth, n] (read through strides) packed as ceil(n / nr) panels of
+// [depth][nr], zero-padded past n: the tile kernel then streams contiguous
+// memory (rows of B a power-of-two apart would otherwise fall into a few L1
+// sets). Weights and dY are packed once per kernel call.
+template <typename T>
+struct PackedB {
+  int64_t depth = 0, n = 0, nr = 0;
+  std::vector<T> data;
+};
+
+// Rows [k_begin, k_begin + depth) of a PackedB: the B of one GEMM.
+template <typename T>
+struct PackedRows {
+  const PackedB<T>* b;
+  int64_t k_begin, depth;
+  int64_t n() const { return b->n; }
+  int64_t nr() const { return b->nr; }
+  const T* Panel(int64_t j0, int64_t k0) const {  // j0: a multiple of nr
+    return b->data.data() + j0 * b->depth + (k_begin + k0) * b->nr;
+  }
+};
+
+template <typename T>
+PackedRows<T> AllRows(const PackedB<T>& b) {
+  return {&b, 0, b.depth};
+}
+
+// Packs B into out (depth, n and the ISA's tile width), by parallel_for
+// over panels.
+template <typename T>
+void PackB(int64_t depth, int64_t n, const T* b, int64_t b_rs, int64_t b_cs,
+           const ParallelFor& parallel_for, PackedB<T>* out) {
+  const int64_t nr = GemmNR<T>();
+  out->depth = depth;
+  out->n = n;
+  out->nr = nr;
+  out->data.resize(RoundUp(n, nr) * depth);
+  parallel_for(RoundUp(n, nr) / nr, depth * nr, [&](int64_t p0, int64_t p1) {
+    for (int64_t j0 = p0 * nr; j0 < p1 * nr; j0 += nr) {
+      const int64_t cols = std::min(nr, n - j0);
+      T* dst = out->data.data() + j0 * depth;
+      for (int64_t k = 0; k < depth; ++k) {
+        const T* src = b + k * b_rs + j0 * b_cs;
+        for (int64_t j = 0; j < nr; ++j) {
+          dst[k * nr + j] = j < cols ? src[j * b_cs] : T(0);
         }
       }
-      for (int64_t j0 = 0; j0 < n; j0 += NR) {
-        const int nr = static_cast<int>(std::min<int64_t>(NR, n - j0));
-        T* ct = c + i0 * ldc + j0;
-        if (nr == NR) {
-          GemmTileKernel<T, true>(kc, panel, bk + j0, ldb, ct, ldc, acc, mr,
-                                  NR);
+    }
+  });
+}
+
+// C[m, n] (+)= A[m, depth] * B[depth, n] with an MR x NR register tile;
+// full tiles go to full_tile (portable or AVX2), the ragged right edge to
+// the portable kernel. C is row-major; A is read through strides so col*W,
+// dY*W^T and col^T*dY all use this one routine, and packed into [depth][MR]
+// panels so the tile kernel vectorizes across columns, not depth. Columns
+// are blocked so the B panels that all row panels reuse stay in L2.
+template <typename T, int MR, int NR, typename FullTile>
+void GemmBlocked(int64_t m, const T* a, int64_t a_rs, int64_t a_cs,
+                 const PackedRows<T>& b, T* c, int64_t ldc, bool accumulate,
+                 FullTile full_tile) {
+  T a_panel[kDepthBlock * MR];
+  for (int64_t k0 = 0; k0 < b.depth; k0 += kDepthBlock) {
+    const int64_t kc = std::min(kDepthBlock, b.depth - k0);
+    const bool acc = accumulate || k0 > 0;
+    for (int64_t jb = 0; jb < b.n(); jb += kColumnBlock) {
+      const int64_t jb_end = std::min(b.n(), jb + kColumnBlock);
+      for (int64_t i0 = 0; i0 < m; i0 += MR) {
+        const int mr = static_cast<int>(std::min<int64_t>(MR, m - i0));
+        const T* at = a + i0 * a_rs + k0 * a_cs;
+        if (a_rs == 1 && mr == MR) {  // col^T of BackpropFilter: runs of MR
+          for (int64_t k = 0; k < kc; ++k) {
+            std::copy_n(at + k * a_cs, MR, a_panel + k * MR);
+          }
         } else {
-          GemmTileKernel<T, false>(kc, panel, bk + j0, ldb, ct, ldc, acc, mr,
-                                   nr);
+          for (int64_t k = 0; k < kc; ++k) {
+            for (int i = 0; i < MR; ++i) {
+              a_panel[k * MR + i] = i < mr ? at[i * a_rs + k * a_cs] : T(0);
+            }
+          }
+        }
+        for (int64_t j0 = jb; j0 < jb_end; j0 += NR) {
+          const int nr = static_cast<int>(std::min<int64_t>(NR, jb_end - j0));
+          T* ct = c + i0 * ldc + j0;
+          if (nr == NR) {
+            full_tile(kc, a_panel, b.Panel(j0, k0), NR, ct, ldc, acc, mr);
+          } else {
+            GemmTileKernel<T, MR, NR, false>(kc, a_panel, b.Panel(j0, k0), NR,
+                                             ct, ldc, acc, mr, nr);
+          }
         }
       }
     }
   }
+}
+
+template <typename T>
+void Gemm(int64_t m, const T* a, int64_t a_rs, int64_t a_cs,
+          const PackedRows<T>& b, T* c, int64_t ldc, bool accumulate) {
+#if TAPEHOOK_HAVE_AVX2_PATH
+  // PackB chose the tile width by the ISA in use: no second getenv here.
+  if (b.nr() == simd::GemmNR<T>()) {
+    GemmBlocked<T, simd::kGemmMR, simd::GemmNR<T>()>(
+        m, a, a_rs, a_cs, b, c, ldc, accumulate, simd::GemmTile<T>);
+    return;
+  }
+#endif
+  constexpr int MR = GemmTile<T>::kMR, NR = GemmTile<T>::kNR;
+  GemmBlocked<T, MR, NR>(
+      m, a, a_rs, a_cs, b, c, ldc, accumulate,
+      [](int64_t kc, const T* panel, const T* bt, int64_t ldb, T* ct,
+         int64_t ldc_, bool acc, int mr) {
+        GemmTileKernel<T, MR, NR, true>(kc, panel, bt, ldb, ct, ldc_, acc, mr,
+                                        NR);
+      });
 }
 
 int64_t FilterSize(const ConvShape& s) { return s.k_h * s.k_w * s.in_c; }
@@ -234,21 +325,25 @@ std::vector<double> Alpha(const ConvShape& s, const T* w, Scale scale) {
   return alpha;
 }
 
-// W_hat as a [K, out_c] matrix (HWIO flattened), or its transpose.
+// W_hat packed for the GEMM: the [K, out_c] matrix (HWIO flattened), or its
+// transpose [out_c, K].
 template <typename T>
-std::vector<T> SignedWeights(const ConvShape& s, const T* w,
-                             const std::vector<double>& alpha,
-                             bool transpose) {
+PackedB<T> PackedSignedWeights(const ConvShape& s, const T* w, Scale scale,
+                               bool transpose,
+                               const ParallelFor& parallel_for) {
   const int64_t K = FilterSize(s);
   const int64_t N = s.out_c;
-  std::vector<T> out(K * N);
+  const std::vector<double> alpha = Alpha(s, w, scale);
+  std::vector<T> w_hat(K * N);
   for (int64_t k = 0; k < K; ++k) {
     for (int64_t o = 0; o < N; ++o) {
-      const T v = static_cast<T>(alpha[o]) * Sign(w[k * N + o]);
-      out[transpose ? o * K + k : k * N + o] = v;
+      w_hat[k * N + o] = static_cast<T>(alpha[o]) * Sign(w[k * N + o]);
     }
   }
-  return out;
+  PackedB<T> packed;
+  PackB(transpose ? N : K, transpose ? K : N, w_hat.data(), transpose ? 1 : N,
+        transpose ? N : 1, parallel_for, &packed);
+  return packed;
 }
 
 // Decomposes a flat output pixel index into (n, oh, ow).
@@ -261,31 +356,33 @@ inline PixelPos Pos(const ConvShape& s, int64_t pix) {
   return {pix / hw, r / s.out_w, r % s.out_w};
 }
 
-// Row p of col [np, (tap1 - tap0) * in_c] holds kernel taps [tap0, tap1)
-// (tap = kh * k_w + kw) of the receptive field of output pixel pix0 + p,
-// laid out like the K axis of an HWIO filter. Taps in the padding are 0
-// (not sign(0)); x_hat = sign(x) when binary.
+// Row p of col [np, (tap1 - tap0) * (c1 - c0)] holds input channels
+// [c0, c1) of kernel taps [tap0, tap1) (tap = kh * k_w + kw) of the
+// receptive field of output pixel pix0 + p, laid out like the K axis of an
+// HWIO filter. Taps in the padding are 0 (not sign(0)); x_hat = sign(x)
+// when binary.
 template <typename T>
 void Im2Col(const ConvShape& s, const T* x, bool binary, int64_t pix0,
-            int64_t np, int64_t tap0, int64_t tap1, T* col) {
-  const int64_t C = s.in_c;
+            int64_t np, int64_t tap0, int64_t tap1, int64_t c0, int64_t c1,
+            T* col) {
+  const int64_t C = s.in_c, width = c1 - c0;
   for (int64_t p = 0; p < np; ++p) {
     const PixelPos q = Pos(s, pix0 + p);
-    const T* xn = x + q.n * s.in_h * s.in_w * C;
-    T* dst = col + p * (tap1 - tap0) * C;
-    for (int64_t tap = tap0; tap < tap1; ++tap, dst += C) {
+    const T* xn = x + q.n * s.in_h * s.in_w * C + c0;
+    T* dst = col + p * (tap1 - tap0) * width;
+    for (int64_t tap = tap0; tap < tap1; ++tap, dst += width) {
       const int64_t ih = q.oh * s.stride_h - s.pad_top + tap / s.k_w * s.dil_h;
       const int64_t iw =
           q.ow * s.stride_w - s.pad_left + tap % s.k_w * s.dil_w;
       if (ih < 0 || ih >= s.in_h || iw < 0 || iw >= s.in_w) {
-        std::fill(dst, dst + C, T(0));
+        std::fill(dst, dst + width, T(0));
         continue;
       }
       const T* src = xn + (ih * s.in_w + iw) * C;
       if (binary) {
-        for (int64_t c = 0; c < C; ++c) dst[c] = Sign(src[c]);
+        for (int64_t c = 0; c < width; ++c) dst[c] = Sign(src[c]);
       } else {
-        std::copy(src, src + C, dst);
+        std::copy(src, src + width, dst);
       }
     }
   }
@@ -316,6 +413,208 @@ void Col2ImAdd(const ConvShape& s, const T* dcol, int64_t pix0, int64_t np,
   }
 }
 
+// ---------------------------------------------------------------------------
+// Fully binary forward: x_hat and sign(W) as bits, dot products by xor and
+// popcount. Bit 1 means -1. Each input pixel's in_c signs fill whole 64-bit
+// words (the bits past in_c are 0 in x and W, so their xor adds nothing); a
+// row of the bit im2col holds the words of all taps, in HWIO order.
+
+// Output pixels per bit-im2col block.
+constexpr int64_t kBitPixelBlock = 64;
+
+int64_t WordsPerPixel(const ConvShape& s) { return (s.in_c + 63) / 64; }
+
+template <typename T>
+void PackSignsPortable(const T* x, int64_t c, uint64_t* out) {
+  for (int64_t w = 0; w * 64 < c; ++w) {
+    uint64_t bits = 0;
+    const int64_t n = std::min<int64_t>(64, c - w * 64);
+    for (int64_t b = 0; b < n; ++b) {
+      bits |= static_cast<uint64_t>(!(x[w * 64 + b] >= T(0))) << b;
+    }
+    out[w] = bits;
+  }
+}
+
+template <typename T>
+void PackSigns(bool avx2, const T* x, int64_t c, uint64_t* out) {
+#if TAPEHOOK_HAVE_AVX2_PATH
+  if constexpr (std::is_same_v<T, float>) {
+    if (avx2) return simd::PackSigns(x, c, out);
+  }
+#endif
+  PackSignsPortable(x, c, out);
+}
+
+template <typename T>
+void PackWeightSigns(bool avx2, const T* w, int64_t n, int shift,
+                     uint64_t* words, double* abs_sum) {
+#if TAPEHOOK_HAVE_AVX2_PATH
+  if constexpr (std::is_same_v<T, float>) {
+    if (avx2) return simd::PackWeightSigns(w, n, shift, words, abs_sum);
+  }
+#endif
+  for (int64_t o = 0; o < n; ++o) {
+    words[o] |= static_cast<uint64_t>(!(w[o] >= T(0))) << shift;
+    if (abs_sum != nullptr) abs_sum[o] += std::abs(static_cast<double>(w[o]));
+  }
+}
+
+// counts[i * ldc + j] = sum_k popcount(a[i * depth + k] ^ b[k * n + j]).
+// Callers pad m and n to whole kPopRowTile / kPopColTile tiles.
+void XorPopcount(bool avx2, int64_t m, int64_t n, int64_t depth,
+                 const uint64_t* a, const uint64_t* b, int32_t* counts,
+                 int64_t ldc) {
+#if TAPEHOOK_HAVE_AVX2_PATH
+  if (avx2) {
+    return simd::XorPopcount(m, n, depth, a, b, counts, ldc);
+  }
+#endif
+  for (int64_t i = 0; i < m; ++i) {
+    std::fill(counts + i * ldc, counts + i * ldc + n, 0);
+    for (int64_t k = 0; k < depth; ++k) {
+      const uint64_t ak = a[i * depth + k];
+      const uint64_t* bk = b + k * n;
+      for (int64_t j = 0; j < n; ++j) {
+        counts[i * ldc + j] += __builtin_popcountll(ak ^ bk[j]);
+      }
+    }
+  }
+}
+
+#if TAPEHOOK_HAVE_AVX2_PATH
+constexpr int64_t kPopRowTile = simd::kPopMR, kPopColTile = simd::kPopNR;
+#else
+constexpr int64_t kPopRowTile = 1, kPopColTile = 1;
+#endif
+
+template <typename T>
+void BitpackedForward(const ConvShape& s, const T* x, const T* w,
+                      Scale scale, T* y,
+                      const ParallelFor& parallel_for) {
+  const int64_t C = s.in_c, N = s.out_c;
+  const int64_t cw = WordsPerPixel(s);
+  const int64_t taps = s.k_h * s.k_w;
+  const int64_t row_words = taps * cw;
+  const int64_t n_pad = RoundUp(N, kPopColTile);
+  const int64_t pixels = OutPixels(s);
+  const bool avx2 = simd::Avx2Usable();  // once per call: it reads the env
+
+  // Signs of x, one run of cw words per input pixel.
+  const int64_t in_pixels = s.batch * s.in_h * s.in_w;
+  std::unique_ptr<uint64_t[]> xb(new uint64_t[in_pixels * cw]);
+  parallel_for(in_pixels, C, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      PackSigns(avx2, x + p * C, C, &xb[p * cw]);
+    }
+  });
+
+  // Signs of W as [row_words][n_pad] (columns >= N are zeros), and each
+  // tap's popcount: what a zero (padding) tap adds to the count.
+  std::vector<uint64_t> wb(row_words * n_pad, 0);
+  std::vector<int32_t> tap_count(taps * N, 0);
+  // One tap per unit, which also sums |W| per output channel for alpha
+  // (per tap, then over taps in order: independent of the sharding).
+  const bool mean_abs = scale == Scale::kMeanAbs;
+  std::vector<double> abs_sum(mean_abs ? taps * N : 0, 0.0);
+  parallel_for(taps, C * N, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t c = 0; c < C; ++c) {
+        PackWeightSigns(avx2, w + (t * C + c) * N, N,
+                        static_cast<int>(c % 64),
+                        &wb[(t * cw + c / 64) * n_pad],
+                        mean_abs ? &abs_sum[t * N] : nullptr);
+      }
+      for (int64_t k = t * cw; k < (t + 1) * cw; ++k) {
+        for (int64_t o = 0; o < N; ++o) {
+          tap_count[t * N + o] += __builtin_popcountll(wb[k * n_pad + o]);
+        }
+      }
+    }
+  });
+  std::vector<T> alpha_t(N, T(1));
+  for (int64_t o = 0; o < N && mean_abs; ++o) {
+    double sum = 0;
+    for (int64_t t = 0; t < taps; ++t) sum += abs_sum[t * N + o];
+    alpha_t[o] = static_cast<T>(sum / static_cast<double>(taps * C));
+  }
+
+  const int64_t blocks = (pixels + kBitPixelBlock - 1) / kBitPixelBlock;
+  const int64_t rows_pad = RoundUp(kBitPixelBlock, kPopRowTile);
+  parallel_for(blocks, kBitPixelBlock * row_words * N, [&](int64_t b0,
+                                                         int64_t b1) {
+    std::vector<uint64_t> col(rows_pad * row_words, 0);
+    std::vector<int32_t> counts(rows_pad * n_pad);
+    std::vector<char> border(kBitPixelBlock);
+    // Calls f(t, ih, iw, inside) for each tap of output pixel q.
+    auto for_each_tap = [&](const PixelPos& q, auto f) {
+      for (int64_t kh = 0, t = 0; kh < s.k_h; ++kh) {
+        const int64_t ih = q.oh * s.stride_h - s.pad_top + kh * s.dil_h;
+        for (int64_t kw = 0; kw < s.k_w; ++kw, ++t) {
+          const int64_t iw = q.ow * s.stride_w - s.pad_left + kw * s.dil_w;
+          f(t, ih, iw, ih >= 0 && ih < s.in_h && iw >= 0 && iw < s.in_w);
+        }
+      }
+    };
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t pix0 = b * kBitPixelBlock;
+      const int64_t np = std::min(kBitPixelBlock, pixels - pix0);
+      PixelPos q = Pos(s, pix0);
+      for (int64_t p = 0; p < np; ++p) {
+        const uint64_t* xn = &xb[q.n * s.in_h * s.in_w * cw];
+        uint64_t* row = &col[p * row_words];
+        const int64_t ih0 = q.oh * s.stride_h - s.pad_top;
+        const int64_t iw0 = q.ow * s.stride_w - s.pad_left;
+        border[p] = ih0 < 0 || ih0 + (s.k_h - 1) * s.dil_h >= s.in_h ||
+                    iw0 < 0 || iw0 + (s.k_w - 1) * s.dil_w >= s.in_w;
+        if (!border[p] && s.dil_w == 1) {
+          // Interior: each kernel row is one run of k_w * cw words.
+          for (int64_t kh = 0; kh < s.k_h; ++kh) {
+            const int64_t ih = ih0 + kh * s.dil_h;
+            std::copy_n(xn + (ih * s.in_w + iw0) * cw, s.k_w * cw,
+                        row + kh * s.k_w * cw);
+          }
+        } else {
+          for_each_tap(q, [&](int64_t t, int64_t ih, int64_t iw, bool inside) {
+            const uint64_t* src = xn + (ih * s.in_w + iw) * cw;
+            for (int64_t k = 0; k < cw; ++k) {
+              row[t * cw + k] = inside ? src[k] : 0;
+            }
+          });
+        }
+        if (++q.ow == s.out_w) {
+          q.ow = 0;
+          if (++q.oh == s.out_h) q.oh = 0, ++q.n;
+        }
+      }
+      // Rows past np stay as they are: computed, never stored.
+      XorPopcount(avx2, RoundUp(np, kPopRowTile), n_pad, row_words,
+                  col.data(), wb.data(), counts.data(), n_pad);
+      // dot = sum over valid taps of (C - 2 * mismatches). A padding tap has
+      // zero x bits, so it counted popcount(W tap): take that back out.
+      for (int64_t p = 0; p < np; ++p) {
+        int32_t* cnt = &counts[p * n_pad];
+        int64_t valid = taps;
+        if (border[p]) {
+          for_each_tap(Pos(s, pix0 + p),
+                       [&](int64_t t, int64_t, int64_t, bool inside) {
+                         if (inside) return;
+                         --valid;
+                         const int32_t* tc = &tap_count[t * N];
+                         for (int64_t o = 0; o < N; ++o) cnt[o] -= tc[o];
+                       });
+        }
+        // Exact in int32 and in T (|dot| < 2^24 for any real layer).
+        const int32_t all_match = static_cast<int32_t>(valid * C);
+        T* out = y + (pix0 + p) * N;
+        for (int64_t o = 0; o < N; ++o) {
+          out[o] = alpha_t[o] * static_cast<T>(all_match - 2 * cnt[o]);
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 template <typename T>
@@ -326,16 +625,18 @@ void BinaryConv2DForward(const ConvShape& s, const T* x, const T* w,
   const int64_t N = s.out_c;
   const int64_t pixels = OutPixels(s);
   if (pixels == 0) return;
-  const std::vector<T> w_hat =
-      SignedWeights(s, w, Alpha(s, w, scale), /*transpose=*/false);
+  if (binary_input) return BitpackedForward(s, x, w, scale, y, parallel_for);
+  const PackedB<T> w_hat =
+      PackedSignedWeights(s, w, scale, /*transpose=*/false, parallel_for);
   const int64_t blocks = (pixels + kPixelBlock - 1) / kPixelBlock;
   parallel_for(blocks, kPixelBlock * K * N, [&](int64_t b0, int64_t b1) {
     std::vector<T> col(kPixelBlock * K);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t pix0 = b * kPixelBlock;
       const int64_t np = std::min(kPixelBlock, pixels - pix0);
-      Im2Col(s, x, binary_input, pix0, np, 0, s.k_h * s.k_w, col.data());
-      Gemm(np, N, K, col.data(), K, 1, w_hat.data(), N, y + pix0 * N, N,
+      Im2Col(s, x, /*binary=*/false, pix0, np, 0, s.k_h * s.k_w, 0, s.in_c,
+             col.data());
+      Gemm(np, col.data(), K, 1, AllRows(w_hat), y + pix0 * N, N,
            /*accumulate=*/false);
     }
   });
@@ -359,15 +660,19 @@ void BinaryConv2DBackpropInput(const ConvShape& s, const T* x, const T* w,
   });
 
   if (OutPixels(s) > 0) {
-    const std::vector<T> w_hat_t =
-        SignedWeights(s, w, Alpha(s, w, scale), /*transpose=*/true);
+    const PackedB<T> w_hat_t =
+        PackedSignedWeights(s, w, scale, /*transpose=*/true, parallel_for);
     // A band of `band` output rows scatters into input rows spanning
     // (band - 1) * stride + ek. With band * stride >= ek - stride, bands b
     // and b + 2 never touch the same input row, so all even bands (and then
     // all odd bands) of all images can run concurrently without races.
     const int64_t ek = (s.k_h - 1) * s.dil_h + 1;
-    // (ek - 1) / stride == ceil((ek - stride) / stride).
-    const int64_t band = std::max<int64_t>(1, (ek - 1) / s.stride_h);
+    // (ek - 1) / stride == ceil((ek - stride) / stride). Bands are also at
+    // least kPixelBlock pixels (or the whole image): the GEMM streams all of
+    // W_hat once per call, so it needs enough rows to reuse it.
+    const int64_t band = std::min(
+        s.out_h, std::max({int64_t{1}, (ek - 1) / s.stride_h,
+                           (kPixelBlock + s.out_w - 1) / s.out_w}));
     const int64_t bands = (s.out_h + band - 1) / band;
     const int64_t hw = s.out_h * s.out_w;
     for (int64_t parity = 0; parity < 2; ++parity) {
@@ -375,17 +680,22 @@ void BinaryConv2DBackpropInput(const ConvShape& s, const T* x, const T* w,
       if (per_image == 0) continue;
       const int64_t cost = band * s.out_w * K * N;
       parallel_for(s.batch * per_image, cost, [&](int64_t u0, int64_t u1) {
-        std::vector<T> dcol(kPixelBlock * K);
+        std::vector<T> dcol(2 * kPixelBlock * K);
         for (int64_t u = u0; u < u1; ++u) {
           const int64_t n = u / per_image;
           const int64_t oh0 = (parity + 2 * (u % per_image)) * band;
           const int64_t oh1 = std::min(s.out_h, oh0 + band);
+          const int64_t begin = n * hw + oh0 * s.out_w;
           const int64_t end = n * hw + oh1 * s.out_w;
-          for (int64_t pix0 = n * hw + oh0 * s.out_w; pix0 < end;
-               pix0 += kPixelBlock) {
-            const int64_t np = std::min(kPixelBlock, end - pix0);
-            Gemm(np, K, N, dy + pix0 * N, N, 1, w_hat_t.data(), K,
-                 dcol.data(), K, /*accumulate=*/false);
+          // Equal blocks of kPixelBlock to 2 * kPixelBlock - 1 pixels (or
+          // the whole band): no small leftover block.
+          const int64_t blocks =
+              std::max<int64_t>(1, (end - begin) / kPixelBlock);
+          for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t pix0 = begin + (end - begin) * b / blocks;
+            const int64_t np = begin + (end - begin) * (b + 1) / blocks - pix0;
+            Gemm(np, dy + pix0 * N, N, 1, AllRows(w_hat_t), dcol.data(), K,
+                 /*accumulate=*/false);
             Col2ImAdd(s, dcol.data(), pix0, np, dx);
           }
         }
@@ -395,8 +705,18 @@ void BinaryConv2DBackpropInput(const ConvShape& s, const T* x, const T* w,
 
   if (act_est != Estimator::kNone) {
     parallel_for(in_rows, row_len * 8, [&](int64_t r0, int64_t r1) {
-      for (int64_t i = r0 * row_len; i < r1 * row_len; ++i) {
-        dx[i] *= static_cast<T>(EstimatorGrad(act_est, x[i], clip));
+      const T* xs = x;  // locals: no reloads through the lambda's captures
+      T* g = dx;
+      const int64_t end = r1 * row_len;
+      if (act_est == Estimator::kSteSign) {  // the common case, vectorized
+        const T c = static_cast<T>(clip);
+        for (int64_t i = r0 * row_len; i < end; ++i) {
+          g[i] *= std::abs(xs[i]) <= c ? T(1) : T(0);
+        }
+        return;
+      }
+      for (int64_t i = r0 * row_len; i < end; ++i) {
+        g[i] *= static_cast<T>(EstimatorGrad(act_est, xs[i], clip));
       }
     });
   }
@@ -407,61 +727,57 @@ void BinaryConv2DBackpropFilter(const ConvShape& s, const T* x, const T* w,
                                 const T* dy, Estimator act_est,
                                 Estimator w_est, double clip, Scale scale,
                                 T* dw, const ParallelFor& parallel_for) {
-  const int64_t K = FilterSize(s);
+  const int64_t C = s.in_c;
   const int64_t N = s.out_c;
-  const int64_t KN = K * N;
-  if (KN == 0) return;
+  if (FilterSize(s) * N == 0) return;
   const int64_t pixels = OutPixels(s);
   const bool binary = act_est != Estimator::kNone;
+  const std::vector<double> alpha = Alpha(s, w, scale);
 
-  // The pixels are split into a fixed number of chunks, each with its own
-  // partial sum, reduced below in chunk order: the result does not depend on
-  // how parallel_for shards or schedules the work. A unit of work is one
-  // chunk times one group of kernel taps (a range of the partial's rows).
-  const int64_t by_memory = std::max<int64_t>(
-      1, kFilterPartialBytes / (KN * static_cast<int64_t>(sizeof(T))));
-  const int64_t chunks =
-      std::min({(pixels + kFilterPixelBlock - 1) / kFilterPixelBlock,
-                kMaxFilterPartials, by_memory});
+  // A work unit owns the dW rows of one tap and one block of input channels
+  // and sums over all pixels in order: no partial sums to reduce, and the
+  // result does not depend on how parallel_for shards the units.
   const int64_t taps = s.k_h * s.k_w;
-  const int64_t groups =
-      chunks > 0 ? std::min(taps, (kFilterUnits + chunks - 1) / chunks) : 0;
-  std::unique_ptr<T[]> partials(new T[chunks * KN]);
-  if (chunks > 0) {
-    const int64_t cost = (pixels + chunks - 1) / chunks * KN / groups;
-    parallel_for(chunks * groups, cost, [&](int64_t u0, int64_t u1) {
-      std::vector<T> col(kFilterPixelBlock * K);
-      for (int64_t u = u0; u < u1; ++u) {
-        const int64_t c = u / groups, g = u % groups;
-        const int64_t tap0 = g * taps / groups, tap1 = (g + 1) * taps / groups;
-        const int64_t rows = (tap1 - tap0) * s.in_c;
-        T* acc = partials.get() + c * KN + tap0 * s.in_c * N;
-        std::fill(acc, acc + rows * N, T(0));
-        const int64_t end = (c + 1) * pixels / chunks;
-        for (int64_t pix0 = c * pixels / chunks; pix0 < end;
-             pix0 += kFilterPixelBlock) {
-          const int64_t np = std::min(kFilterPixelBlock, end - pix0);
-          Im2Col(s, x, binary, pix0, np, tap0, tap1, col.data());
-          // acc[rows, N] += col^T[rows, np] * dy[np, N].
-          Gemm(rows, N, np, col.data(), 1, rows, dy + pix0 * N, N, acc, N,
-               /*accumulate=*/true);
-        }
+  const int64_t cblocks = (C + kFilterChannelBlock - 1) / kFilterChannelBlock;
+  const int64_t cost = 2 * std::max<int64_t>(pixels, 1) *
+                       std::min(C, kFilterChannelBlock) * N;
+  PackedB<T> dy_packed;
+  PackB(pixels, N, dy, N, 1, parallel_for, &dy_packed);
+  // Each input value is read once per tap: take its sign once, up front.
+  std::vector<T> x_signs;
+  if (binary) {
+    const int64_t rows = s.batch * s.in_h, row_len = s.in_w * C;
+    x_signs.resize(rows * row_len);
+    parallel_for(rows, row_len, [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0 * row_len; i < r1 * row_len; ++i) {
+        x_signs[i] = Sign(x[i]);
       }
     });
   }
-
-  const std::vector<double> alpha = Alpha(s, w, scale);
-  parallel_for(K, N * (chunks + 8), [&](int64_t k0, int64_t k1) {
-    for (int64_t k = k0; k < k1; ++k) {
-      T* out = dw + k * N;
-      std::fill(out, out + N, T(0));
-      for (int64_t c = 0; c < chunks; ++c) {
-        const T* part = partials.get() + c * KN + k * N;
-        for (int64_t o = 0; o < N; ++o) out[o] += part[o];
+  const T* x_hat = binary ? x_signs.data() : x;
+  parallel_for(taps * cblocks, cost, [&](int64_t u0, int64_t u1) {
+    std::vector<T> col(kFilterPixelBlock * kFilterChannelBlock);
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t tap = u / cblocks;
+      const int64_t c0 = u % cblocks * kFilterChannelBlock;
+      const int64_t c1 = std::min(C, c0 + kFilterChannelBlock);
+      const int64_t rows = c1 - c0;
+      T* out = dw + (tap * C + c0) * N;
+      std::fill(out, out + rows * N, T(0));
+      for (int64_t pix0 = 0; pix0 < pixels; pix0 += kFilterPixelBlock) {
+        const int64_t np = std::min(kFilterPixelBlock, pixels - pix0);
+        Im2Col(s, x_hat, /*binary=*/false, pix0, np, tap, tap + 1, c0, c1,
+               col.data());
+        // out[rows, N] += col^T[rows, np] * dy[np, N].
+        Gemm(rows, col.data(), 1, rows, PackedRows<T>{&dy_packed, pix0, np},
+             out, N, /*accumulate=*/true);
       }
-      for (int64_t o = 0; o < N; ++o) {
-        out[o] *= static_cast<T>(alpha[o] *
-                                 EstimatorGrad(w_est, w[k * N + o], clip));
+      for (int64_t r = 0; r < rows; ++r) {
+        const T* wk = w + (tap * C + c0 + r) * N;
+        for (int64_t o = 0; o < N; ++o) {
+          out[r * N + o] *=
+              static_cast<T>(alpha[o] * EstimatorGrad(w_est, wk[o], clip));
+        }
       }
     }
   });

@@ -1,7 +1,7 @@
 // Standalone test of cc_kernels/core/binary_conv.cc (no TensorFlow).
 //
 //   g++ -std=c++17 -O2 -I. tests/cc/test_binary_conv.cc
-//       cc_kernels/core/binary_conv.cc -lpthread -o /tmp/t && /tmp/t
+//       cc_kernels/core/*.cc -lpthread -o /tmp/t && /tmp/t
 //
 // Every kernel is checked against naive double-precision loops written here
 // from the definitions, over a seeded random sweep, and under three
@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <initializer_list>
@@ -371,7 +372,10 @@ V Pick(std::mt19937_64& rng, std::initializer_list<V> xs) {
 // Case i enumerates estimators, scale, clip and precision; the shape is
 // random. Every 7th case has more channels (full GEMM tiles, depth
 // blocking); every 13th has many pixels (many filter-gradient chunks, tap
-// groups). 7 and 13 are coprime to the enumeration, so these meet every mix.
+// groups, several bit-im2col blocks); every 5th has channel counts around
+// the 64-bit packing width and the popcount / GEMM tile widths (1, 3, 63,
+// 64, 65, 130 in; 1, 15, 16, 17, 33 out). 5, 7 and 13 are coprime to the
+// enumeration, so these meet every mix.
 Problem RandomProblem(std::mt19937_64& rng, int i, bool* is_float) {
   Problem pr;
   pr.act_est = static_cast<Estimator>(i % 4);
@@ -381,11 +385,15 @@ Problem RandomProblem(std::mt19937_64& rng, int i, bool* is_float) {
   *is_float = i / 64 % 2 == 0;
   const bool large = i % 7 == 3;
   const bool wide = i % 13 == 6;
+  const bool packing = i % 5 == 2;
   ConvShape& s = pr.s;
   while (true) {
     s = ConvShape();
     s.batch = Pick<int64_t>(rng, {1, 3});
-    if (large) {
+    if (packing) {
+      s.in_c = Pick<int64_t>(rng, {1, 3, 63, 64, 65, 130});
+      s.out_c = Pick<int64_t>(rng, {1, 15, 16, 17, 33});
+    } else if (large) {
       s.in_c = Pick<int64_t>(rng, {7, 17, 37});
       s.out_c = Pick<int64_t>(rng, {8, 19, 33});
     } else {
@@ -399,8 +407,8 @@ Problem RandomProblem(std::mt19937_64& rng, int i, bool* is_float) {
     s.stride_w = Pick<int64_t>(rng, {1, 2});
     s.dil_h = Pick<int64_t>(rng, {1, 2});
     s.dil_w = Pick<int64_t>(rng, {1, 2});
-    std::uniform_int_distribution<int64_t> size(wide ? 24 : 1,
-                                                wide ? 60 : large ? 14 : 9);
+    std::uniform_int_distribution<int64_t> size(
+        wide ? 24 : 1, wide ? (packing ? 30 : 60) : large ? 14 : 9);
     s.in_h = size(rng);
     s.in_w = size(rng);
     const Padding padding = Pick<Padding>(
@@ -571,15 +579,11 @@ void TestEmptyBatch() {
   }
 }
 
-}  // namespace
-
-int main() {
-  TestGeometry();
-  TestParsingAndEstimators();
-  TestEmptyBatch();
-
-  constexpr int kCases = 256;
+// Runs the random sweep once; returns the number of failed cases.
+int RunSweep(const char* isa) {
+  constexpr int kCases = 320;
   std::mt19937_64 rng(20240611);
+  int failed = 0;
   for (int i = 0; i < kCases; ++i) {
     bool is_float = true;
     const Problem pr = RandomProblem(rng, i, &is_float);
@@ -587,14 +591,40 @@ int main() {
     if (ok) {
       ++g_stats.passed;
     } else {
-      ++g_stats.failed;
-      std::printf("FAIL case %d: %s\n", i, Describe(pr, is_float).c_str());
+      ++failed;
+      std::printf("FAIL [%s] case %d: %s\n", isa, i,
+                  Describe(pr, is_float).c_str());
     }
   }
+  std::printf("binary_conv [%s]: %d/%d sweep cases passed\n", isa,
+              kCases - failed, kCases);
+  return failed;
+}
+
+}  // namespace
+
+int main() {
+  TestGeometry();
+  TestParsingAndEstimators();
+  TestEmptyBatch();
+
+  // The core picks AVX2 kernels at run time when the CPU has them, unless
+  // TAPEHOOK_NO_AVX2 is set: sweep with the CPU's best ISA, then with the
+  // portable fallback forced.
+  const char* first = std::getenv("TAPEHOOK_NO_AVX2");
+  const bool forced_off =
+      first != nullptr && first[0] != '\0' && first[0] != '0';
+  int failed = RunSweep(forced_off ? "portable (TAPEHOOK_NO_AVX2 set)"
+                                   : "cpu best (AVX2 if supported)");
+  setenv("TAPEHOOK_NO_AVX2", "1", /*overwrite=*/1);
+  TestEmptyBatch();
+  failed += RunSweep("portable");
+  if (first == nullptr) unsetenv("TAPEHOOK_NO_AVX2");
+  g_stats.failed = failed;
   std::printf(
-      "binary_conv: %d/%d sweep cases passed, %d failed; %d other check "
+      "binary_conv: %d sweep cases passed, %d failed; %d other check "
       "failures; max |err|/sum|terms| float %.3g double %.3g\n",
-      g_stats.passed, kCases, g_stats.failed, g_failures,
-      g_stats.max_err[0], g_stats.max_err[1]);
-  return g_stats.failed == 0 && g_failures == 0 ? 0 : 1;
+      g_stats.passed, failed, g_failures, g_stats.max_err[0],
+      g_stats.max_err[1]);
+  return failed == 0 && g_failures == 0 ? 0 : 1;
 }
