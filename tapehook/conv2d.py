@@ -17,11 +17,8 @@ import threading
 import warnings
 
 import tensorflow as tf
-from tensorflow.python.eager import execute, record
-from tensorflow.python.framework import ops
-from tensorflow.python.ops import control_flow_util
-
 from tapehook import kernels, marks, reference
+from tapehook.compat import control_flow_util, execute, ops, record
 from tapehook.errors import TapehookError
 from tapehook.spec import BinarySpec
 

@@ -14,8 +14,7 @@ from, in eager and in graphs alike.
 import threading
 
 import tensorflow as tf
-from tensorflow.python.ops import resource_variable_ops
-
+from tapehook.compat import keras_variable_base, resource_variable_ops
 from tapehook.errors import TapehookError
 from tapehook.spec import BinarySpec
 
@@ -25,23 +24,13 @@ SUPPORTED_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 _SUPPORTED_NAMES = "half, bfloat16, float32, float64"
 
 
-def _keras_variable_type():
-    """The base class of every Keras 3 variable (Keras 3.0-3.6 named it KerasVariable;
-    there, layers create a class that is not the exported keras.Variable)."""
-    try:
-        from keras.src.backend.common import variables
-    except ImportError:  # Keras is optional for tapehook's core
-        return ()
-    return getattr(variables, "KerasVariable", None) or variables.Variable
-
-
 def components(obj):
     """The tf ResourceVariables behind a variable-like object, else None.
 
     Accepts tf.Variable, Keras 3 Variable, distributed (Mirrored) variables and
     their per-replica components.
     """
-    keras_variable = _keras_variable_type()
+    keras_variable = keras_variable_base()
     if keras_variable and isinstance(obj, keras_variable):
         obj = obj._value  # the backing tf.Variable (read without autocast)
     container = getattr(obj, "_distributed_container", None)

@@ -18,10 +18,10 @@
 import functools
 
 import tensorflow as tf
-from tensorflow.python.ops import (gen_array_ops, gen_math_ops, gen_nn_ops,
-                                   nn_ops, resource_variable_ops)
 
-from tapehook import conv2d, marks, models, registry
+from tapehook import compat, conv2d, marks, models, registry
+from tapehook.compat import (gen_array_ops, gen_math_ops, gen_nn_ops, nn_ops,
+                             resource_variable_ops)
 
 _applied = []  # (owner, attribute name, original), in order of application
 _MISSING = object()  # the attribute was inherited, not set on the owner
@@ -132,6 +132,7 @@ def install() -> None:
     """Applies every patch once (idempotent); undoes all on any failure."""
     if _applied:
         return
+    compat.check()  # before anything is patched
     try:
         registry.register_gradient(conv2d.BINARY_OP, conv2d.binary_conv2d_op_grad)
         conv2d.stock["conv2d_grad"] = registry.swap_gradient("Conv2D", conv2d.conv2d_grad)

@@ -11,7 +11,7 @@ import tensorflow as tf
 from tensorflow.python.framework import ops
 
 import tapehook
-from tapehook import conv2d, kernels, registry
+from tapehook import compat, conv2d, kernels, patches, registry
 from conftest import assert_close, random_inputs, reference_result, upstream
 
 
@@ -218,7 +218,36 @@ def test_registry_structure_is_there_and_overridden():
 def test_missing_registry_structure_fails_loudly(monkeypatch):
     monkeypatch.setattr(ops._gradient_registry, "_registry", None)
     with pytest.raises(tapehook.TapehookError, match="_gradient_registry"):
-        registry.check_entry("Conv2D")
+        registry.registered_gradient("Conv2D")
+
+
+@pytest.mark.parametrize("owner,name,replacement,needle", [
+    ("backprop", "_MockOp", type("_MockOp", (), {"__init__": lambda self, attrs: None}),
+     "skip_input_indices"),
+    ("execute", "record_gradient", None, "record_gradient"),
+    ("gen_nn_ops", "conv2d", lambda input, filter, strides, padding, name=None: None,
+     "gen_nn_ops.conv2d"),
+    ("resource_variable_ops.BaseResourceVariable", "_read_variable_op", None,
+     "_read_variable_op"),
+])
+def test_changed_tf_internals_fail_at_import_with_nothing_patched(
+        monkeypatch, owner, name, replacement, needle):
+    """What `import tapehook` does on a TF whose internals moved: a clear error
+    naming the version and the piece, before any patch is applied."""
+    target = compat
+    for part in owner.split("."):
+        target = getattr(target, part)
+    patches.uninstall()
+    try:
+        monkeypatch.setattr(target, name, replacement)
+        with pytest.raises(tapehook.TapehookError, match=f"TensorFlow {tf.__version__}.*{needle}"):
+            patches.install()
+        assert not patches.installed()
+        assert registry.registered_gradient("Conv2D") is not conv2d.conv2d_grad
+    finally:
+        monkeypatch.undo()
+        patches.install()
+    assert registry.registered_gradient("Conv2D") is conv2d.conv2d_grad
 
 
 def test_kernel_info_reports_loaded_library():

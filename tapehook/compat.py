@@ -1,0 +1,91 @@
+"""Every TensorFlow and Keras internal tapehook touches, in one place.
+
+Other modules reach TF internals only through the names below. ``check()``
+runs at ``import tapehook``, before anything is patched: if a piece is missing
+or shaped differently, it raises TapehookError naming the TF version and the
+piece, so a TF upgrade can never turn into silently wrong gradients or a
+half-installed override. Supported and tested: docs/compat.md.
+"""
+
+import inspect
+
+import tensorflow as tf
+from tensorflow.python.eager import backprop, execute, record  # noqa: F401
+from tensorflow.python.framework import ops  # noqa: F401
+from tensorflow.python.ops import (control_flow_util, gen_array_ops,  # noqa: F401
+                                   gen_math_ops, gen_nn_ops, nn_ops,
+                                   resource_variable_ops)
+
+from tapehook.errors import TapehookError
+
+TESTED_RANGE = "TensorFlow 2.16 to 2.22 (nightly) with Keras 3"
+
+
+def keras_variable_base():
+    """The base class of every Keras 3 variable, or () without Keras.
+
+    Keras 3.0-3.6 call it KerasVariable, and there layers create a class that
+    is not the exported keras.Variable; 3.7+ call it Variable.
+    """
+    try:
+        from keras.src.backend.common import variables
+    except ImportError:  # Keras is optional for tapehook's core
+        return ()
+    return getattr(variables, "KerasVariable", None) or variables.Variable
+
+
+def _params(fn):
+    return list(inspect.signature(inspect.unwrap(fn)).parameters)
+
+
+def _fail(piece):
+    raise TapehookError(
+        f"TensorFlow {tf.__version__} lacks {piece}, which tapehook relies on; nothing "
+        f"was patched. tapehook is tested with {TESTED_RANGE}; install one of those "
+        f"(see docs/compat.md) or report this version")
+
+
+def gradient_registry_entries() -> dict:
+    """``ops._gradient_registry._registry``: op type -> {"type": fn, ...}."""
+    registry = getattr(ops, "_gradient_registry", None)
+    entries = getattr(registry, "_registry", None)
+    if not isinstance(entries, dict) or not callable(getattr(registry, "lookup", None)):
+        _fail("ops._gradient_registry._registry (the gradient registry dict)")
+    return entries
+
+
+def gradient_registry_entry(op_type: str) -> dict:
+    entry = gradient_registry_entries().get(op_type)
+    if not isinstance(entry, dict) or not callable(entry.get("type")):
+        _fail(f"a {{'type': fn}} gradient registry entry for {op_type}")
+    return entry
+
+
+def check() -> None:
+    """Raises TapehookError if any internal tapehook uses is missing or changed."""
+    gradient_registry_entry("Conv2D")
+    if "skip_input_indices" not in _params(getattr(backprop, "_MockOp", object).__init__):
+        _fail("backprop._MockOp(..., skip_input_indices) (the eager tape's op view)")
+    for owner, name in [(execute, "record_gradient"), (execute, "must_record_gradient"),
+                        (record, "stop_recording"),
+                        (control_flow_util, "GraphOrParentsInXlaContext"),
+                        (gen_array_ops, "identity"), (gen_array_ops, "expand_dims"),
+                        (gen_math_ops, "cast"),
+                        (resource_variable_ops.BaseResourceVariable, "_read_variable_op")]:
+        if not callable(getattr(owner, name, None)):
+            _fail(f"{getattr(owner, '__name__', owner)}.{name}")
+    conv2d_params = ["input", "filter", "strides", "padding", "use_cudnn_on_gpu",
+                     "explicit_paddings", "data_format", "dilations", "name"]
+    if _params(gen_nn_ops.conv2d) != conv2d_params:
+        _fail(f"gen_nn_ops.conv2d({', '.join(conv2d_params)})")
+    if _params(nn_ops.convolution_internal)[:7] != [
+            "input", "filters", "strides", "padding", "data_format", "dilations", "name"]:
+        _fail("nn_ops.convolution_internal(input, filters, strides, padding, "
+              "data_format, dilations, name, ...)")
+    try:
+        import keras
+    except ImportError:
+        return
+    if not callable(getattr(keras.Layer, "__call__", None)) or not any(
+            "get_config" in vars(c) for c in keras.layers.Conv2D.__mro__[:-1]):
+        _fail(f"Keras {keras.__version__}: Layer.__call__ / Conv2D.get_config")
