@@ -34,7 +34,7 @@ setup(
     install_requires=["numpy", "wrapt"],
     extras_require={"cpu": ["tensorflow-cpu>=2.16"],
                     "gpu": ["tensorflow[and-cuda]>=2.16"],
-                    "test": ["pytest", "pytest-timeout", "scikit-learn", "matplotlib"],
+                    "test": ["pytest", "pytest-timeout", "hypothesis", "scikit-learn", "matplotlib"],
                     "examples": ["scikit-learn", "matplotlib"]},
     cmdclass={"build_py": BuildPyWithKernelSources},
 )
