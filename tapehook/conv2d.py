@@ -17,7 +17,7 @@ import threading
 import warnings
 
 import tensorflow as tf
-from tapehook import kernels, marks, reference
+from tapehook import dispatch, kernels, marks, reference
 from tapehook.compat import control_flow_util, execute, ops, record
 from tapehook.errors import TapehookError
 from tapehook.spec import BinarySpec
@@ -42,8 +42,9 @@ def dispatch_counts() -> dict:
     """How many binary forwards / backprops ran on each path.
 
     ``compiled`` counts kernel executions (exact in every mode, counted in C++).
-    ``reference`` counts reference-path builds: each run in eager, each trace
-    inside tf.function or a graph.
+    ``reference`` counts builds of binary work done with plain TF ops (the
+    fallback, XLA, or the dispatcher's choice of stock convolutions): each run
+    in eager, each trace inside tf.function or a graph.
     """
     with _reference_counts_lock:
         reference_counts = dict(_reference_counts)
@@ -115,7 +116,7 @@ def binary_conv2d(x, w, spec: BinarySpec, attrs: dict, name=None):
                 ops.get_default_graph()):
             _warn_xla_once()
             library = None
-        if library is None:
+        if library is None or dispatch.forward_path(spec) == dispatch.STOCK:
             _count_reference(forward=1)
             return reference.binary_conv2d(
                 x, w, spec, attrs["strides"], attrs["padding"],
@@ -155,7 +156,14 @@ def conv2d(input, filter, strides, padding, use_cudnn_on_gpu=True,  # noqa: A002
 
 
 def _binary_backward(x, w, dy, spec, attrs, skip):
-    """(dX, dW) from the compiled backprop kernels; None where skipped."""
+    """(dX, dW) from the compiled backprop kernels, or stock backprops on the
+    binarized operands where the dispatcher says they are faster; None where
+    skipped."""
+    if dispatch.backprop_path(attrs) == dispatch.STOCK:
+        _count_reference(backprop_input=int(0 not in skip), backprop_filter=int(1 not in skip))
+        return reference.binary_conv2d_backward(
+            x, w, dy, spec, attrs["strides"], attrs["padding"], attrs["explicit_paddings"],
+            attrs["dilations"], need_dx=0 not in skip, need_dw=1 not in skip)
     library = kernels.library()
     if library is None:
         raise TapehookError(

@@ -70,20 +70,35 @@ def _masked(grad, name, t, clip):
 
 
 def binary_conv2d_backward(x, w, dy, spec, strides, padding, explicit_paddings,
-                           dilations):
-    """(dX, dW) of the binary conv, from stock conv gradients at (x_hat, sign W).
+                           dilations, need_dx=True, need_dw=True):
+    """(dX, dW) of the binary conv from stock conv gradients; None where not needed.
 
-    alpha is per output channel, so bpf(x_hat, dY) * alpha is the gradient of
-    conv(x_hat, sign W) * alpha with respect to sign W.
+    dX = conv2d_backprop_input(alpha sign W, dY) [* e'(x)] and
+    dW = conv2d_backprop_filter(x_hat, dY) * alpha * e'(W). Undilated convs call
+    the stock backprop ops directly; TF's CPU backprops reject dilations, so a
+    dilated conv differentiates tf.nn.convolution (SpaceToBatchND) instead.
     """
-    x_hat, w_sign = binarize_input(x, spec), sign(w)
-    with tf.GradientTape() as tape:
-        tape.watch([x_hat, w_sign])
-        y = _forward(x_hat, w_sign, w, spec, strides, padding, explicit_paddings, dilations)
-    dx, dw = tape.gradient(y, [x_hat, w_sign], output_gradients=dy)
-    if spec.activation_estimator:
+    x_hat, a = binarize_input(x, spec), alpha(w, spec.scale)
+    w_hat = sign(w) * a
+    if any(d != 1 for d in dilations):
+        with tf.GradientTape() as tape:
+            tape.watch([x_hat, w_hat])
+            y = float_conv2d(x_hat, w_hat, strides, padding, explicit_paddings, dilations)
+        dx, dw = tape.gradient(y, [x_hat, w_hat], output_gradients=dy)
+    else:
+        attrs = dict(strides=list(strides), padding=padding, data_format="NHWC",
+                     explicit_paddings=list(explicit_paddings or []))
+        dx = tf.raw_ops.Conv2DBackpropInput(
+            input_sizes=tf.shape(x), filter=w_hat, out_backprop=dy,
+            **attrs) if need_dx else None
+        dw = tf.raw_ops.Conv2DBackpropFilter(
+            input=x_hat, filter_sizes=tf.shape(w), out_backprop=dy,
+            **attrs) if need_dw else None
+    if dx is not None and need_dx and spec.activation_estimator:
         dx = _masked(dx, spec.activation_estimator, x, spec.clip)
-    return dx, _masked(dw, spec.ste, w, spec.clip)
+    if dw is not None and need_dw:
+        dw = _masked(dw * a, spec.ste, w, spec.clip)
+    return (dx if need_dx else None), (dw if need_dw else None)
 
 
 def _forward(x_hat, w_sign, w, spec, strides, padding, explicit_paddings, dilations):

@@ -8,6 +8,9 @@ test_reference.py.
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The suite checks tapehook's kernels against the reference; the dispatcher's
+# "auto" routing to stock convolutions is tested on its own (test_dispatch.py).
+os.environ.setdefault("TAPEHOOK_DISPATCH", "kernels")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
