@@ -5,8 +5,10 @@ registered Conv2D gradient is replaced once, at import, by one that reads
 those marks and dispatches to tapehook's binary kernels. See docs/design.md.
 """
 
+from tapehook.callbacks import FlipRatio
 from tapehook.conv2d import dispatch_counts, reset_dispatch_counts
 from tapehook.errors import TapehookError
+from tapehook.export import export_bitpacked, load_bitpacked
 from tapehook.kernels import kernel_info
 from tapehook.kernels import library as _load_kernels
 from tapehook.marks import binary_spec_of, mark_binary, unmark
@@ -20,12 +22,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BinarySpec",
+    "FlipRatio",
     "TapehookError",
     "binarize",
     "binary_scope",
     "binary_spec_of",
     "dispatch_counts",
+    "export_bitpacked",
     "kernel_info",
+    "load_bitpacked",
     "ModelSummary",
     "mark_binary",
     "reset_dispatch_counts",
