@@ -13,6 +13,7 @@ from tapehook.kernels import kernel_info
 from tapehook.kernels import library as _load_kernels
 from tapehook.marks import binary_spec_of, mark_binary, unmark
 from tapehook.models import binarize
+from tapehook.override import override_gradient
 from tapehook.patches import install as _install
 from tapehook.scope import binary_scope
 from tapehook.spec import BinarySpec
@@ -33,6 +34,7 @@ __all__ = [
     "load_bitpacked",
     "ModelSummary",
     "mark_binary",
+    "override_gradient",
     "reset_dispatch_counts",
     "summary",
     "unmark",

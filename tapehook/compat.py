@@ -12,6 +12,7 @@ import inspect
 import tensorflow as tf
 from tensorflow.python.eager import backprop, execute, record  # noqa: F401
 from tensorflow.python.framework import ops  # noqa: F401
+from tensorflow.python.framework import op_callbacks  # noqa: F401
 from tensorflow.python.ops import (control_flow_util, gen_array_ops,  # noqa: F401
                                    gen_math_ops, gen_nn_ops, nn_ops,
                                    resource_variable_ops)
@@ -74,10 +75,19 @@ def check() -> None:
                         (resource_variable_ops.BaseResourceVariable, "_read_variable_op")]:
         if not callable(getattr(owner, name, None)):
             _fail(f"{getattr(owner, '__name__', owner)}.{name}")
+    _check_override_internals()
     conv2d_params = ["input", "filter", "strides", "padding", "use_cudnn_on_gpu",
                      "explicit_paddings", "data_format", "dilations", "name"]
     if _params(gen_nn_ops.conv2d) != conv2d_params:
         _fail(f"gen_nn_ops.conv2d({', '.join(conv2d_params)})")
+    for fn, head in [(gen_math_ops.mat_mul, ["a", "b", "transpose_a", "transpose_b"]),
+                     (gen_math_ops.batch_mat_mul_v2, ["x", "y", "adj_x", "adj_y"]),
+                     (gen_math_ops.batch_mat_mul_v3, ["x", "y", "Tout", "adj_x", "adj_y"]),
+                     (gen_nn_ops.depthwise_conv2d_native,
+                      ["input", "filter", "strides", "padding", "explicit_paddings",
+                       "data_format", "dilations"])]:
+        if _params(fn)[:len(head)] != head:
+            _fail(f"{fn.__module__}.{fn.__name__}({', '.join(head)}, ...)")
     if _params(nn_ops.convolution_internal)[:7] != [
             "input", "filters", "strides", "padding", "data_format", "dilations", "name"]:
         _fail("nn_ops.convolution_internal(input, filters, strides, padding, "
@@ -89,3 +99,22 @@ def check() -> None:
     if not callable(getattr(keras.Layer, "__call__", None)) or not any(
             "get_config" in vars(c) for c in keras.layers.Conv2D.__mro__[:-1]):
         _fail(f"Keras {keras.__version__}: Layer.__call__ / Conv2D.get_config")
+
+
+def _check_override_internals() -> None:
+    """What tapehook.override_gradient (override.py) relies on."""
+    for owner, name in [(op_callbacks, "add_op_callback"),
+                        (op_callbacks, "remove_op_callback"),
+                        (record, "record_operation"), (record, "could_possibly_record")]:
+        if not callable(getattr(owner, name, None)):
+            _fail(f"{owner.__name__}.{name}")
+    if _params(backprop._MockOp.__init__)[1:] != [
+            "attrs", "inputs", "outputs", "typ", "skip_input_indices"]:
+        _fail("backprop._MockOp(attrs, inputs, outputs, typ, skip_input_indices)")
+    # Graph gradients prefer an op's own _gradient_function to the registry.
+    if "_gradient_function" not in ops.get_gradient_function.__code__.co_names:
+        _fail("ops.get_gradient_function reading op._gradient_function")
+    # Generated op wrappers record on tapes through execute.record_gradient,
+    # looked up on the module at each call.
+    if "record_gradient" not in gen_nn_ops.relu.__code__.co_names:
+        _fail("generated op wrappers calling execute.record_gradient")

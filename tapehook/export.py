@@ -29,7 +29,7 @@ _ALPHA_DTYPE = "float32"
 
 
 def binary_kernels(model):
-    """(layer, kernel, spec) for each Conv1D / Conv2D layer whose kernel is marked,
+    """(layer, kernel, spec) for each binarizable layer whose kernel is marked,
     in the layer walk of tapehook.summary."""
     found = []
     for layer in model._flatten_layers(include_self=False):
@@ -66,12 +66,19 @@ class _Data:
         return record
 
 
-def _alpha(w, spec):
+def output_axes(layer_type) -> int:
+    """Trailing kernel axes that index output channels: 2 for DepthwiseConv2D
+    ([h, w, in, multiplier]: one channel per (in, multiplier)), else 1."""
+    return 2 if layer_type == "DepthwiseConv2D" else 1
+
+
+def _alpha(w, spec, out_axes):
     """alpha per output channel as the compiled kernels compute it: |W| summed in
     float64, divided, rounded once to float32."""
+    out = math.prod(w.shape[-out_axes:])
     if spec.scale is None:
-        return np.ones(w.shape[-1], np.float32)
-    flat = np.abs(w.astype(np.float64)).reshape(-1, w.shape[-1])
+        return np.ones(out, np.float32)
+    flat = np.abs(w.astype(np.float64)).reshape(-1, out)
     return (flat.sum(axis=0) / flat.shape[0]).astype(np.float32)
 
 
@@ -97,10 +104,12 @@ def export_bitpacked(model, path) -> dict:
                 raise TapehookError(
                     f"binary kernel {var.path} holds inf or NaN: its sign bits and "
                     f"alpha cannot be stored; fix the weights before exporting")
+            out_axes = output_axes(type(layer).__name__)
             entry.update(kind="binary", layer=layer.name, layer_type=type(layer).__name__,
-                         spec=models.spec_to_config(spec),
-                         bits=data.add(np.packbits(_sign_rows(value), axis=1), "uint8"),
-                         alpha=data.add(_alpha(value, spec), _ALPHA_DTYPE))
+                         spec=models.spec_to_config(spec), output_axes=out_axes,
+                         bits=data.add(np.packbits(_sign_rows(value, out_axes), axis=1),
+                                       "uint8"),
+                         alpha=data.add(_alpha(value, spec, out_axes), _ALPHA_DTYPE))
         else:
             entry.update(kind="float", value=data.add(value, entry["dtype"]))
         entries.append(entry)
@@ -124,9 +133,10 @@ def export_bitpacked(model, path) -> dict:
         file_bytes=os.path.getsize(path))
 
 
-def _sign_rows(w):
-    """[out, K] sign bits: row o is w[..., o] in C order (packbits: first bit in the MSB)."""
-    return sign_bits(w).reshape(-1, w.shape[-1]).T
+def _sign_rows(w, out_axes):
+    """[out, K] sign bits: row o is output channel o's weights in C order
+    (packbits: first bit in the MSB)."""
+    return sign_bits(w).reshape(-1, math.prod(w.shape[-out_axes:])).T
 
 
 def _nbytes(record):
@@ -221,7 +231,10 @@ def _binary_value(entry, data, what):
     """The kernel W = alpha * sign that reproduces the stored bits and alpha."""
     spec = BinarySpec(**entry["spec"])
     shape, dtype = entry["shape"], entry["dtype"]
-    k, out = math.prod(shape[:-1]), shape[-1]
+    out_axes = entry.get("output_axes", 1)
+    if out_axes not in (1, 2):
+        raise TapehookError(f"{what}: output_axes {out_axes!r} is not 1 or 2")
+    k, out = math.prod(shape[:-out_axes]), math.prod(shape[-out_axes:])
     bits = _array(data, entry["bits"], f"{what} sign bits")
     alpha = _array(data, entry["alpha"], f"{what} alpha").astype(np.float32)
     if bits.shape != (out, (k + 7) // 8) or alpha.shape != (out,):
@@ -235,8 +248,8 @@ def _binary_value(entry, data, what):
     if spec.scale is None and not np.all(alpha == 1):
         raise TapehookError(f"{what}: alpha must be ones when the spec has no scale")
     signs = rows[:, :k].T.reshape(shape).astype(bool)
-    value = (alpha * np.where(signs, 1.0, -1.0).astype(np.float32)).astype(
-        _numpy_dtype(dtype))
+    value = (alpha.reshape(shape[-out_axes:]) * np.where(signs, 1.0, -1.0).astype(
+        np.float32)).astype(_numpy_dtype(dtype))
     if not np.array_equal(sign_bits(value), signs):
         raise TapehookError(
             f"{what}: alpha * sign does not reproduce the sign bits in {dtype} "
@@ -281,7 +294,7 @@ def _update(entry, var, layer, data, what):
             owner = f"a {type(layer).__name__} kernel" if layer else "not a layer's kernel"
             raise TapehookError(
                 f"{what} is stored binary, but the model's {var.path} is {owner}; only "
-                f"Conv1D / Conv2D kernels can be binary")
+                f"Conv1D / Conv2D / DepthwiseConv2D / Dense kernels can be binary")
         value, spec = _binary_value(entry, data, what)
         return var, value, spec, layer
     if entry["kind"] != "float":

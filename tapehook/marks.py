@@ -21,6 +21,7 @@ from tapehook.spec import BinarySpec
 _SPEC_ATTR = "_tapehook_spec"      # on a component variable's handle
 SOURCE_ATTR = "_tapehook_variable"  # on a tensor: the variable it was read from
 SUPPORTED_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+KERNEL_RANKS = (2, 3, 4)  # Dense, Conv1D, Conv2D / DepthwiseConv2D
 _SUPPORTED_NAMES = "half, bfloat16, float32, float64"
 
 
@@ -61,11 +62,11 @@ def _check_markable(var):
             f"variable {first.name} has dtype {first.dtype.name}; binary kernels "
             f"support {_SUPPORTED_NAMES}")
     rank = first.shape.rank
-    if rank not in (3, 4):
+    if rank not in KERNEL_RANKS:
         raise TapehookError(
-            f"variable {first.name} has shape {first.shape}; only Conv2D filters "
-            f"[h, w, in, out] (4-D) and Conv1D filters [w, in, out] (3-D) can be "
-            f"marked binary")
+            f"variable {first.name} has shape {first.shape}; only kernels can be "
+            f"marked binary: Conv2D / DepthwiseConv2D [h, w, in, out] (4-D), Conv1D "
+            f"[w, in, out] (3-D) and Dense [in, out] (2-D)")
     return comps
 
 
@@ -186,5 +187,5 @@ def scope_marks_created(var) -> None:
     if not comps or allowed is not None:
         return
     first = comps[0]
-    if first.shape.rank in (3, 4) and first.dtype in SUPPORTED_DTYPES:
+    if first.shape.rank in KERNEL_RANKS and first.dtype in SUPPORTED_DTYPES:
         set_mark(var, spec)

@@ -39,10 +39,15 @@ def layer_stack():
     return _local.layers
 
 
-def is_binarizable(layer) -> bool:
-    """Conv-family layers whose kernel tapehook can binarize (Conv1D, Conv2D)."""
+def binarizable_types():
+    """Keras layers whose kernel tapehook can binarize."""
     keras = _keras()
-    return isinstance(layer, (keras.layers.Conv1D, keras.layers.Conv2D))
+    return (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.DepthwiseConv2D,
+            keras.layers.Dense)
+
+
+def is_binarizable(layer) -> bool:
+    return isinstance(layer, binarizable_types())
 
 
 def _set(obj, name, value):
@@ -252,7 +257,7 @@ def _binarize_target(target, policy):
         return target
     if isinstance(target, tf.Module):
         for var in target.variables:
-            if var.shape.rank in (3, 4) and _module_owns(target, policy, var):
+            if var.shape.rank in marks.KERNEL_RANKS and _module_owns(target, policy, var):
                 marks.set_mark(var, policy.spec)
         return target
     raise TapehookError(

@@ -3,11 +3,16 @@
 - the registered "Conv2D" gradient -> conv2d.conv2d_grad (registry.py swaps it)
 - a gradient for tapehook's own TapehookBinaryConv2D op
 - gen_nn_ops.conv2d -> conv2d.conv2d (binary forward for marked filters)
+- gen_math_ops.mat_mul / batch_mat_mul_v2 / v3 and
+  gen_nn_ops.depthwise_conv2d_native -> dense_depthwise (binary Dense and
+  DepthwiseConv2D for marked kernels)
 - nn_ops.convolution_internal: a dilated conv with a marked filter goes straight
   to Conv2D (the kernels handle dilation natively) instead of SpaceToBatchND,
   whose zero padding would otherwise be binarized to +1
 - variable reads, Identity, Cast and ExpandDims tag their output with the
   variable it holds, so a filter read in Python still leads to its marks
+- execute.record_gradient: op types under tapehook.override_gradient on this
+  thread are recorded with their scoped gradient (override.py)
 - Keras: Layer.__call__ keeps the layers being called on a per-thread stack
   (models.py decides binarized models' layers there); Conv layers' get_config
   / from_config carry the layer's BinarySpec, so .keras files load back binary
@@ -19,7 +24,7 @@ import functools
 
 import tensorflow as tf
 
-from tapehook import compat, conv2d, marks, models, registry
+from tapehook import compat, conv2d, dense_depthwise, marks, models, override, registry
 from tapehook.compat import (gen_array_ops, gen_math_ops, gen_nn_ops, nn_ops,
                              resource_variable_ops)
 
@@ -116,14 +121,16 @@ def _install_keras() -> None:
     except ImportError:  # tapehook works without Keras
         return
     _replace(keras.Layer, "__call__", _tracked_layer_call)
-    base_conv = next(c for c in keras.layers.Conv2D.__mro__ if "get_config" in vars(c))
-    _replace(base_conv, "get_config", _config_with_spec)
-    own = vars(base_conv).get("from_config", _MISSING)
-    inherited = next(vars(c)["from_config"] for c in base_conv.__mro__
-                     if "from_config" in vars(c))
-    base_conv.from_config = classmethod(functools.wraps(inherited.__func__)(
-        _layer_from_config(inherited.__func__)))
-    _applied.append((base_conv, "from_config", own))
+    configured = {next(c for c in layer.__mro__ if "get_config" in vars(c))
+                  for layer in models.binarizable_types()}
+    for owner in sorted(configured, key=lambda c: c.__name__):
+        _replace(owner, "get_config", _config_with_spec)
+        own = vars(owner).get("from_config", _MISSING)
+        inherited = next(vars(c)["from_config"] for c in owner.__mro__
+                         if "from_config" in vars(c))
+        owner.from_config = classmethod(functools.wraps(inherited.__func__)(
+            _layer_from_config(inherited.__func__)))
+        _applied.append((owner, "from_config", own))
     marks.layer_filter_hook[0] = models.spec_for_layer_filter
     _applied.append((marks, "layer_filter_hook", _MISSING))
 
@@ -144,6 +151,14 @@ def install() -> None:
         _replace(gen_array_ops, "identity", _tag_passing)
         _replace(gen_array_ops, "expand_dims", _tag_passing)
         _replace(gen_math_ops, "cast", _tag_passing)
+        for owner, name in [(gen_math_ops, "mat_mul"), (gen_math_ops, "batch_mat_mul_v2"),
+                            (gen_math_ops, "batch_mat_mul_v3"),
+                            (gen_nn_ops, "depthwise_conv2d_native")]:
+            dense_depthwise.stock[name] = _replace(
+                owner, name, lambda _, name=name: getattr(dense_depthwise, name))
+        # Tapes in graphs record after op callbacks run; override.py picks the
+        # gradient of op types overridden on this thread at recording time.
+        _replace(compat.execute, "record_gradient", override._recording_with_overrides)
         _install_keras()
     except Exception:
         uninstall()

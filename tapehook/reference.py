@@ -130,3 +130,78 @@ def binary_conv2d(x, w, spec, strides=(1, 1, 1, 1), padding="SAME",
         return y, grad
 
     return conv(x, w)
+
+
+def _custom_binary(forward, backward, x, w, on_backward=None):
+    """tf.custom_gradient of ``forward(x, w)`` with ``backward(x, w, dy)``."""
+    @tf.custom_gradient
+    def op(x, w):
+        def grad(dy):
+            if on_backward is not None:
+                on_backward()
+            return backward(x, w, dy)
+        return forward(x, w), grad
+
+    return op(x, w)
+
+
+def binary_matmul(x, w, spec, on_backward=None):
+    """Binary Dense: x_hat @ (alpha sign W), alpha per output column.
+
+    dX = (dY @ (alpha sign W)^T) [* e'(x)], dW = (x_hat^T dY) * alpha * e'(W),
+    for x of any rank >= 2 (leading axes are batch axes) and a 2-D W.
+    """
+    def forward(x, w):
+        y = tf.linalg.matmul(binarize_input(x, spec), sign(w))
+        return y * alpha_dense(w, spec.scale) if spec.scale else y
+
+    def backward(x, w, dy):
+        a = alpha_dense(w, spec.scale)
+        dx = tf.linalg.matmul(dy, sign(w) * a, transpose_b=True)
+        if spec.activation_estimator:
+            dx = _masked(dx, spec.activation_estimator, x, spec.clip)
+        x_hat = tf.reshape(binarize_input(x, spec), [-1, tf.shape(x)[-1]])
+        dw = tf.linalg.matmul(x_hat, tf.reshape(dy, [-1, tf.shape(dy)[-1]]), transpose_a=True)
+        return dx, _masked(dw * a, spec.ste, w, spec.clip)
+
+    return _custom_binary(forward, backward, x, w, on_backward)
+
+
+def alpha_dense(w, scale):
+    if scale == "mean_abs":
+        return tf.stop_gradient(tf.reduce_mean(tf.abs(w), axis=0))
+    return tf.ones([tf.shape(w)[-1]], w.dtype)
+
+
+def alpha_depthwise(w, scale):
+    """alpha per depthwise output channel (c, m), flattened as the op orders them."""
+    if scale == "mean_abs":
+        return tf.stop_gradient(tf.reshape(tf.reduce_mean(tf.abs(w), axis=[0, 1]), [-1]))
+    return tf.ones([tf.shape(w)[2] * tf.shape(w)[3]], w.dtype)
+
+
+def binary_depthwise_conv2d(x, w, spec, strides, padding, explicit_paddings=(),
+                            dilations=(1, 1, 1, 1), on_backward=None):
+    """Binary DepthwiseConv2dNative (NHWC): depthwise(x_hat, sign W) * alpha,
+    alpha per output channel (c, m); same estimator masks as the conv."""
+    attrs = dict(strides=list(strides), padding=padding, data_format="NHWC",
+                 explicit_paddings=list(explicit_paddings or []), dilations=list(dilations))
+
+    def forward(x, w):
+        y = tf.raw_ops.DepthwiseConv2dNative(input=binarize_input(x, spec), filter=sign(w),
+                                             **attrs)
+        return y * alpha_depthwise(w, spec.scale) if spec.scale else y
+
+    def backward(x, w, dy):
+        a = alpha_depthwise(w, spec.scale)
+        dy_scaled = dy * a
+        dx = tf.raw_ops.DepthwiseConv2dNativeBackpropInput(
+            input_sizes=tf.shape(x), filter=sign(w), out_backprop=dy_scaled, **attrs)
+        if spec.activation_estimator:
+            dx = _masked(dx, spec.activation_estimator, x, spec.clip)
+        dw = tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(
+            input=binarize_input(x, spec), filter_sizes=tf.shape(w), out_backprop=dy_scaled,
+            **attrs)
+        return dx, _masked(dw, spec.ste, w, spec.clip)
+
+    return _custom_binary(forward, backward, x, w, on_backward)

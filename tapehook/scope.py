@@ -12,7 +12,7 @@ from tapehook.errors import TapehookError
 def binary_scope(*, variables=None, activations=False, scale=None,
                  ste="ste_sign", clip=1.0):
     """Marks binary every variable created inside the block that can be a conv
-    filter (3-D or 4-D, floating point) and every variable used inside it as a
+    kernel (2-D Dense, 3-D Conv1D, 4-D Conv2D / DepthwiseConv2D; floating point) and every variable used inside it as a
     Conv2D filter. ``variables=[...]`` restricts marking to exactly those.
 
     Marks persist after the block. Scopes nest (the innermost spec marks) and

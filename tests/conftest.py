@@ -34,6 +34,21 @@ SPEC_IDS = ["ste", "mean_abs", "act", "bireal", "swish_act_scaled", "approx", "c
 TOLERANCE = {tf.float64: 1e-9, tf.float32: 2e-5, tf.float16: 2e-2, tf.bfloat16: 5e-2}
 
 
+def np_sign(t):
+    """sign with zero mapping to +1, in NumPy."""
+    return np.where(t >= 0, 1.0, -1.0)
+
+
+def np_estimator_grad(name, t, clip):
+    """e'(t) written out in NumPy (docs/design.md)."""
+    if name == "ste_sign":
+        return (np.abs(t) <= clip).astype(float)
+    if name == "approx_sign":
+        return np.where(np.abs(t) <= 1, 2 - 2 * np.abs(t), 0.0)
+    b = 5.0
+    return b * (2 - b * t * np.tanh(b * t / 2)) / (1 + np.cosh(b * t))
+
+
 def spec_kwargs(spec):
     return dict(activations=spec.activations, scale=spec.scale, ste=spec.ste, clip=spec.clip)
 

@@ -63,7 +63,8 @@ def test_keras_variable_is_accepted():
 @pytest.mark.parametrize("obj,needle", [
     (tf.ones([3, 3, 2, 4]), "needs a tf.Variable"),
     (np.ones([3, 3, 2, 4]), "needs a tf.Variable"),
-    (tf.Variable(tf.ones([4, 4])), "only Conv2D filters"),
+    (tf.Variable(tf.ones([4])), "only kernels can be marked"),
+    (tf.Variable(tf.ones([1, 2, 2, 2, 2])), "only kernels can be marked"),
     (tf.Variable(tf.ones([3, 3, 2, 4], tf.int32)), "dtype int32"),
 ])
 def test_mark_rejects_what_cannot_be_a_binary_filter(obj, needle):

@@ -39,14 +39,14 @@ def test_conv2d_layer(activations, dilation):
     assert tapehook.dispatch_counts()["compiled"]["forward"] == 1
 
 
-def test_bias_and_other_variables_are_not_marked():
+def test_only_kernels_are_marked_in_a_scope():
     with tapehook.binary_scope():
         model = keras.Sequential([keras.Input((8, 8, 3)),
                                   keras.layers.Conv2D(4, 3),
                                   keras.layers.BatchNormalization(),
                                   keras.layers.Flatten(), keras.layers.Dense(2)])
     marked = [v.path for v in model.weights if tapehook.binary_spec_of(v)]
-    assert marked == [model.layers[0].kernel.path]
+    assert marked == [model.layers[0].kernel.path, model.layers[3].kernel.path]
 
 
 def test_conv1d_layer_through_expand_dims():

@@ -72,11 +72,11 @@ def test_decorator_marks_nested_and_lazy_layers_before_first_step():
 
 
 @pytest.mark.parametrize("kwargs,expected", [
-    (dict(), ["c1", "c2", "c3"]),
+    (dict(), ["c1", "c2", "c3", "d"]),
     (dict(first_and_last_float=True), ["c2", "c3"]),
     (dict(include="c[12]"), ["c1", "c2"]),
-    (dict(exclude=["c1", "c3"]), ["c2"]),
-    (dict(exclude=lambda layer: layer.filters == 4), ["c1", "c3"]),
+    (dict(exclude=["c1", "c3"]), ["c2", "d"]),
+    (dict(exclude=lambda layer: getattr(layer, "filters", 0) == 4), ["c1", "c3", "d"]),
 ])
 def test_include_exclude_and_recipe(kwargs, expected):
     model = keras.Sequential([keras.Input((8, 8, 3)),

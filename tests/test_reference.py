@@ -7,21 +7,8 @@ import tensorflow as tf
 
 import tapehook
 from tapehook import kernels, reference
-from conftest import (MODES, SPEC_IDS, SPECS, assert_close, random_inputs,
-                      reference_result, spec_kwargs, upstream)
-
-
-def _sign(t):
-    return np.where(t >= 0, 1.0, -1.0)
-
-
-def _egrad(name, t, clip):
-    if name == "ste_sign":
-        return (np.abs(t) <= clip).astype(float)
-    if name == "approx_sign":
-        return np.where(np.abs(t) <= 1, 2 - 2 * np.abs(t), 0.0)
-    b = 5.0
-    return b * (2 - b * t * np.tanh(b * t / 2)) / (1 + np.cosh(b * t))
+from conftest import (MODES, SPEC_IDS, SPECS, assert_close, np_estimator_grad, np_sign,
+                      random_inputs, reference_result, spec_kwargs, upstream)
 
 
 def numpy_binary_conv(x, w, g, spec, stride, pads, dil):
@@ -32,9 +19,9 @@ def numpy_binary_conv(x, w, g, spec, stride, pads, dil):
     oh = (h + pt + pb - (kh - 1) * dil - 1) // stride + 1
     ow = (wd + pl + pr - (kw - 1) * dil - 1) // stride + 1
     act = spec.activation_estimator
-    xh = _sign(x) if act else x
+    xh = np_sign(x) if act else x
     alpha = np.abs(w).mean(axis=(0, 1, 2)) if spec.scale == "mean_abs" else np.ones(cout)
-    what = _sign(w) * alpha
+    what = np_sign(w) * alpha
     y = np.zeros((n, oh, ow, cout))
     dxh = np.zeros_like(x)
     dwh = np.zeros_like(w)
@@ -48,8 +35,8 @@ def numpy_binary_conv(x, w, g, spec, stride, pads, dil):
                             y[b, i, j] += xh[b, r, s] @ what[a, c]
                             dxh[b, r, s] += what[a, c] @ g[b, i, j]
                             dwh[a, c] += np.outer(xh[b, r, s], g[b, i, j])
-    dx = dxh * _egrad(act, x, spec.clip) if act else dxh
-    dw = dwh * alpha * _egrad(spec.ste, w, spec.clip)
+    dx = dxh * np_estimator_grad(act, x, spec.clip) if act else dxh
+    dw = dwh * alpha * np_estimator_grad(spec.ste, w, spec.clip)
     return y, dx, dw
 
 
