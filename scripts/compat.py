@@ -502,8 +502,10 @@ sys.exit(0 if out["ok"] else 1)
 
 
 def smoke(vpy, env, logs, name):
+    # The smoke checks that the compiled kernels ran: keep the dispatcher on them.
     rc, out, secs = run([vpy, vpy.parent.parent / "smoke.py"], logs / f"{name}.log",
-                        {**env, "TAPEHOOK_KERNELS": "compiled"}, cwd="/", timeout=900)
+                        {**env, "TAPEHOOK_KERNELS": "compiled", "TAPEHOOK_DISPATCH": "kernels"},
+                        cwd="/", timeout=900)
     match = re.search(r"^SMOKE_JSON (.*)$", out, re.M)
     data = json.loads(match.group(1)) if match else {}
     data.update(rc=rc, seconds=secs)
