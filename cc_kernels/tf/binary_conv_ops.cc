@@ -147,16 +147,11 @@ class BinaryConv2DOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ParseAttrs(ctx, &attrs_));
   }
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& x = ctx->input(0);
-    const Tensor& w = ctx->input(1);
     ConvShape s;
-    OP_REQUIRES_OK(ctx, MakeShape(attrs_, x, w, &s));
     Tensor* y = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, TensorShape({s.batch, s.out_h, s.out_w, s.out_c}),
-                            &y));
+    OP_REQUIRES_OK(ctx, PrepareForward(ctx, attrs_, &s, &y));
     if (y->NumElements() == 0) return;
-    Widened<T> xw(x), ww(w);
+    Widened<T> xw(ctx->input(0)), ww(ctx->input(1));
     WidenedOut<T> out(y);
     BinaryConv2DForward(s, xw.data(), ww.data(),
                         attrs_.act_est != Estimator::kNone, attrs_.scale,
@@ -177,17 +172,11 @@ class BinaryConv2DBackpropOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ParseAttrs(ctx, &attrs_));
   }
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& x = ctx->input(0);
-    const Tensor& w = ctx->input(1);
-    const Tensor& dy = ctx->input(2);
     ConvShape s;
-    OP_REQUIRES_OK(ctx, MakeShape(attrs_, x, w, &s));
-    OP_REQUIRES_OK(ctx, CheckOutBackprop(s, dy));
     Tensor* grad = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, kFilter ? w.shape() : x.shape(),
-                                             &grad));
+    OP_REQUIRES_OK(ctx, PrepareBackprop(ctx, attrs_, kFilter, &s, &grad));
     if (grad->NumElements() == 0) return;
-    Widened<T> xw(x), ww(w), dyw(dy);
+    Widened<T> xw(ctx->input(0)), ww(ctx->input(1)), dyw(ctx->input(2));
     WidenedOut<T> out(grad);
     if (kFilter) {
       BinaryConv2DBackpropFilter(s, xw.data(), ww.data(), dyw.data(),

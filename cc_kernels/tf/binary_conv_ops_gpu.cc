@@ -59,11 +59,8 @@ class BinaryConv2DGpuOp : public OpKernel {
     const Tensor& x = ctx->input(0);
     const Tensor& w = ctx->input(1);
     ConvShape s;
-    OP_REQUIRES_OK(ctx, MakeShape(attrs_, x, w, &s));
     Tensor* y = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, TensorShape({s.batch, s.out_h, s.out_w, s.out_c}),
-                            &y));
+    OP_REQUIRES_OK(ctx, PrepareForward(ctx, attrs_, &s, &y));
     if (y->NumElements() == 0) return;
     const bool binary = attrs_.act_est != Estimator::kNone;
     Tensor scratch;
@@ -92,11 +89,8 @@ class BinaryConv2DBackpropGpuOp : public OpKernel {
     const Tensor& w = ctx->input(1);
     const Tensor& dy = ctx->input(2);
     ConvShape s;
-    OP_REQUIRES_OK(ctx, MakeShape(attrs_, x, w, &s));
-    OP_REQUIRES_OK(ctx, CheckOutBackprop(s, dy));
     Tensor* grad = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, kFilter ? w.shape() : x.shape(),
-                                             &grad));
+    OP_REQUIRES_OK(ctx, PrepareBackprop(ctx, attrs_, kFilter, &s, &grad));
     if (grad->NumElements() == 0) return;
     Tensor scratch;
     OP_REQUIRES_OK(ctx, AllocateWorkspace(

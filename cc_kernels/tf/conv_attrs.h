@@ -110,6 +110,28 @@ inline absl::Status CheckOutBackprop(const ConvShape& s,
       want.DebugString());
 }
 
+// Forward: reads (input, filter), fills s and allocates y [batch, out_h,
+// out_w, out_c]. Shared by the CPU and GPU kernels.
+inline absl::Status PrepareForward(::tensorflow::OpKernelContext* ctx,
+                                   const ConvAttrs& a, ConvShape* s,
+                                   ::tensorflow::Tensor** y) {
+  TF_RETURN_IF_ERROR(MakeShape(a, ctx->input(0), ctx->input(1), s));
+  return ctx->allocate_output(
+      0, ::tensorflow::TensorShape({s->batch, s->out_h, s->out_w, s->out_c}), y);
+}
+
+// Backprops: reads (input, filter, out_backprop), fills s, checks dY and
+// allocates the gradient shaped like the filter (kFilter) or the input.
+inline absl::Status PrepareBackprop(::tensorflow::OpKernelContext* ctx,
+                                    const ConvAttrs& a, bool filter_grad,
+                                    ConvShape* s, ::tensorflow::Tensor** grad) {
+  const ::tensorflow::Tensor& x = ctx->input(0);
+  const ::tensorflow::Tensor& w = ctx->input(1);
+  TF_RETURN_IF_ERROR(MakeShape(a, x, w, s));
+  TF_RETURN_IF_ERROR(CheckOutBackprop(*s, ctx->input(2)));
+  return ctx->allocate_output(0, filter_grad ? w.shape() : x.shape(), grad);
+}
+
 // Executions of the compiled kernels, read by tapehook.dispatch_counts().
 enum CountKind { kForward = 0, kBackpropInput = 1, kBackpropFilter = 2, kNumKinds };
 // Defined once, in binary_conv_ops.cc.
