@@ -13,17 +13,20 @@ gradients of a TapehookBinaryConv2D op (tf.gradients, a tf.function under an
 outer tape, a loaded SavedModel) read the spec from the op's attrs.
 """
 
+import dataclasses
 import threading
 import warnings
 
 import tensorflow as tf
-from tapehook import dispatch, kernels, marks, reference
+from tapehook import dispatch, kernels, marks, reference, registry
+from tapehook.packing import PackedInput, pack_input, packable
 from tapehook.compat import control_flow_util, execute, ops, record
 from tapehook.errors import TapehookError
 from tapehook.spec import BinarySpec
 
 _FORWARD_SPEC_ATTR = "_tapehook_forward_spec"  # on the filter tensor a tape records
 BINARY_OP = "TapehookBinaryConv2D"
+PACKED_RECORD = "TapehookBinaryConv2DPacked"  # tape records that keep bits, not x
 
 # Set by patches.install(): TF's own gen_nn_ops.conv2d and Conv2D gradient.
 stock = {"conv2d": None, "conv2d_grad": None}
@@ -122,16 +125,39 @@ def binary_conv2d(x, w, spec: BinarySpec, attrs: dict, name=None):
                 x, w, spec, attrs["strides"], attrs["padding"],
                 attrs["explicit_paddings"], attrs["dilations"],
                 on_backward=lambda: _count_reference(backprop_input=1, backprop_filter=1))
+        recording = execute.must_record_gradient()
         with record.stop_recording():
             y = library.tapehook_binary_conv2d(x, w, **attrs, **spec.op_attrs())
-        if execute.must_record_gradient():
+            # With binary activations the backward needs only sign(x) and e'(x):
+            # keep those bits, not x (packing.py). Graph gradients of the op
+            # find them on it; unused in inference, Grappler prunes them.
+            packed = None
+            if packable(x, spec) and (recording or not tf.executing_eagerly()):
+                packed = pack_input(x, spec)
+                if not tf.executing_eagerly():
+                    y.op._tapehook_packed_input = packed
+        if recording:
             setattr(w, _FORWARD_SPEC_ATTR, spec)
-            execute.record_gradient("Conv2D", [x, w], (
-                "T", x.dtype.as_datatype_enum, "strides", attrs["strides"],
-                "use_cudnn_on_gpu", True, "padding", attrs["padding"],
-                "explicit_paddings", attrs["explicit_paddings"],
-                "data_format", attrs["data_format"],
-                "dilations", attrs["dilations"]), [y])
+            if packed is None or _conv2d_overridden():
+                execute.record_gradient("Conv2D", [x, w], (
+                    "T", x.dtype.as_datatype_enum, "strides", attrs["strides"],
+                    "use_cudnn_on_gpu", True, "padding", attrs["padding"],
+                    "explicit_paddings", attrs["explicit_paddings"],
+                    "data_format", attrs["data_format"],
+                    "dilations", attrs["dilations"]), [y])
+            else:
+                # record_gradient would keep x alive for the tape, and so would
+                # recording under the name "Conv2D" (the tape keeps the inputs
+                # that op type's gradient reads); a closure over the bits under
+                # tapehook's own name does not. The backward still goes through
+                # the registered "Conv2D" gradient.
+                # No tape watches x (a first layer's input): no dX, as the
+                # registered path gets from skip_input_indices.
+                skip = () if record.should_record_backprop([x]) else (0,)
+                op = _PackedConvOp(packed, w, attrs, skip)
+                record.record_operation(
+                    PACKED_RECORD, [y], [x, w],
+                    lambda dy: registry.registered_gradient("Conv2D")(op, dy))
         return y
 
 
@@ -155,10 +181,40 @@ def conv2d(input, filter, strides, padding, use_cudnn_on_gpu=True,  # noqa: A002
     return binary_conv2d(input, filter, spec, attrs, name=name)
 
 
+def _conv2d_overridden() -> bool:
+    """Is a tapehook.override_gradient("Conv2D", ...) scope open on this thread?
+    Then the conv is recorded as a Conv2D, so the override applies to it."""
+    from tapehook import override  # override imports this module
+    return override._override_for("Conv2D") is not None
+
+
+@dataclasses.dataclass
+class _PackedConvOp:
+    """The Conv2D a tape recorded with packed input bits instead of x."""
+
+    packed: PackedInput
+    filter: tf.Tensor
+    attrs: dict
+    skip_input_indices: tuple
+    type = "Conv2D"
+
+    @property
+    def inputs(self):
+        return (self.packed, self.filter)
+
+    def get_attr(self, name):
+        return self.attrs[name]
+
+
 def _binary_backward(x, w, dy, spec, attrs, skip):
     """(dX, dW) from the compiled backprop kernels, or stock backprops on the
     binarized operands where the dispatcher says they are faster; None where
-    skipped."""
+    skipped. ``x`` may be the PackedInput kept instead of the input."""
+    if isinstance(x, PackedInput):
+        # sign(x_hat) = x_hat: run as a float-input conv on x_hat, then e'(x).
+        dx, dw = _binary_backward(x.x_hat(), w, dy, dataclasses.replace(
+            spec, activations=False), attrs, skip)
+        return (None if dx is None else dx * x.activation_grad()), dw
     if dispatch.backprop_path(attrs) == dispatch.STOCK:
         _count_reference(backprop_input=int(0 not in skip), backprop_filter=int(1 not in skip))
         return reference.binary_conv2d_backward(
@@ -188,8 +244,10 @@ def conv2d_grad(op, grad):
 
 
 def binary_conv2d_op_grad(op, grad):
-    """Gradient of a TapehookBinaryConv2D graph op: the spec is in its attrs."""
+    """Gradient of a TapehookBinaryConv2D graph op: the spec is in its attrs,
+    the input's bits (binary activations) on the op when it was built here."""
     skip = tuple(getattr(op, "skip_input_indices", None) or ())
-    return _binary_backward(op.inputs[0], op.inputs[1], grad,
+    x = getattr(op, "_tapehook_packed_input", None) or op.inputs[0]
+    return _binary_backward(x, op.inputs[1], grad,
                             BinarySpec.from_op_attrs(op.get_attr),
                             _conv_attrs(op.get_attr), skip)

@@ -1,0 +1,111 @@
+"""With binary activations (ste_sign), a binary conv's backward keeps packed
+sign and mask bits, not its float input: the input is freed once user code
+drops it, and every result still matches the reference."""
+
+import gc
+import weakref
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tapehook
+from tapehook import kernels, packing
+from conftest import assert_close, random_inputs, reference_result, upstream
+
+
+def test_float_input_is_not_kept_by_the_tape():
+    _, w0 = random_inputs((1, 1, 1, 5), (3, 3, 5, 4))
+    w = tapehook.mark_binary(tf.Variable(w0), activations=True, scale="mean_abs")
+    x = tf.random.normal([2, 7, 7, 5], seed=3)
+    x_copy = tf.identity(x)  # the test's own reference copy
+    watched = weakref.ref(x)
+    g = upstream((2, 7, 7, 4), tf.float32)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = tf.nn.conv2d(x, w, 1, "SAME")
+        loss = tf.reduce_sum(y * g)
+    del x
+    gc.collect()
+    assert watched() is None, "the tape keeps the float input of a binary conv"
+    dw = tape.gradient(loss, w)
+    _, _, rdw = reference_result(x_copy, w0, tapehook.binary_spec_of(w), g)
+    assert_close(dw, rdw, what="dW from packed bits")
+
+
+@pytest.mark.parametrize("channels", [1, 5, 8, 13])
+def test_pack_round_trip(channels):
+    x = tf.constant(np.random.default_rng(channels).normal(size=(2, 3, channels)), tf.float32)
+    x = tf.where(tf.abs(x) < 0.2, tf.zeros_like(x), x)  # exact zeros map to +1
+    spec = tapehook.BinarySpec(activations=True, clip=0.7)
+    packed = packing.pack_input(x, spec)
+    assert packed.signs.dtype == tf.uint8 and packed.signs.shape[-1] == -(-channels // 8)
+    np.testing.assert_array_equal(packed.x_hat(), np.where(x >= 0, 1.0, -1.0))
+    np.testing.assert_array_equal(packed.activation_grad(), (np.abs(x) <= 0.7).astype(float))
+
+
+def test_graph_backward_reads_the_bits_not_the_input():
+    _, w0 = random_inputs((1, 1, 1, 3), (3, 3, 3, 4))
+    w = tapehook.mark_binary(tf.Variable(w0), activations=True)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(tf.nn.conv2d(x, w, 1, "SAME") ** 2)
+        return tape.gradient(loss, [x, w])
+
+    graph = step.get_concrete_function(tf.TensorSpec([2, 6, 6, 3])).graph
+    x_input = graph.inputs[0]
+    backprops = [op for op in graph.get_operations()
+                 if op.type.startswith("TapehookBinaryConv2DBackprop")]
+    assert len(backprops) == 2
+    for op in backprops:
+        assert op.inputs[0] is not x_input, f"{op.type} reads the float input"
+
+
+def _stack(activations_spec):
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((8, 8, 4))
+    h = keras.layers.BatchNormalization()(inputs)
+    h = keras.layers.Conv2D(6, 3, padding="same", use_bias=False, name="b1")(h)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.Conv2D(6, 3, padding="same", use_bias=False, name="b2")(h)
+    model = keras.Model(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(h)))
+    return tapehook.binarize(model, include="b*", **activations_spec)
+
+
+@pytest.mark.parametrize("run_eagerly", [True, False])
+def test_bn_conv_stack_trains_like_the_reference(run_eagerly):
+    x, _ = random_inputs((4, 8, 8, 4), (1,))
+    y = tf.constant(np.random.default_rng(2).normal(size=(4, 2)), tf.float32)
+
+    def train(reference):
+        model = _stack(dict(activations=True))
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse",
+                      run_eagerly=run_eagerly)
+        kernels.force_reference(reference)
+        try:
+            model.fit(x, y, batch_size=4, epochs=2, verbose=0)
+        finally:
+            kernels.force_reference(False)
+        return model.get_weights()
+
+    for a, b in zip(train(False), train(True)):
+        assert_close(a, b, what="weights after two steps")
+    assert tapehook.dispatch_counts()["compiled"]["backprop_filter"] == 4
+
+
+def test_conv2d_override_still_applies_with_binary_activations():
+    w = tapehook.mark_binary(tf.Variable(tf.random.normal([3, 3, 2, 4], seed=1)),
+                             activations=True)
+    x = tf.random.normal([1, 5, 5, 2], seed=2)
+
+    def ones_for_filter(op, grad):
+        return tf.zeros_like(op.inputs[0]), tf.ones_like(op.inputs[1])
+
+    with tf.GradientTape() as tape:
+        with tapehook.override_gradient("Conv2D", ones_for_filter):
+            y = tf.nn.conv2d(x, w, 1, "SAME")
+    np.testing.assert_array_equal(tape.gradient(y, w), np.ones([3, 3, 2, 4]))
