@@ -77,14 +77,7 @@ def _conv_attrs(get_attr) -> dict:
 
 
 def _check(x, w, attrs):
-    if w.dtype not in marks.SUPPORTED_DTYPES:
-        raise TapehookError(
-            f"Conv2D filter marked binary has dtype {w.dtype.name}; binary kernels "
-            f"support {marks._SUPPORTED_NAMES}")
-    if x.dtype != w.dtype:
-        raise TapehookError(
-            f"binary Conv2D input has dtype {x.dtype.name} but the marked filter "
-            f"has {w.dtype.name}; cast the input to {w.dtype.name}")
+    marks.check_operands(x, w, "Conv2D")
     if attrs["data_format"] != "NHWC":
         raise TapehookError(
             f"a marked Conv2D filter was used with data_format "

@@ -8,19 +8,17 @@ The wrappers replace the gen_* functions in patches.py; an operand that is not
 a marked variable (or a tensor read from one) goes to TF untouched.
 """
 
+import tensorflow as tf
+
 from tapehook import conv2d, marks, reference
 from tapehook.errors import TapehookError
 
 stock = {}  # set by patches.install(): TF's own gen_* functions
 
 
-def _check(x, w, spec, what):
-    import tensorflow as tf
+def _check(x, w, what):
     x, w = tf.convert_to_tensor(x), tf.convert_to_tensor(w)
-    if w.dtype not in marks.SUPPORTED_DTYPES or x.dtype != w.dtype:
-        raise TapehookError(
-            f"binary {what}: input {x.dtype.name} and marked kernel {w.dtype.name}; "
-            f"both must be one floating dtype ({marks._SUPPORTED_NAMES})")
+    marks.check_operands(x, w, what)
     conv2d._count_reference(forward=1)
     return x, w
 
@@ -41,7 +39,7 @@ def mat_mul(a, b, transpose_a=False, transpose_b=False, grad_a=False, grad_b=Fal
                                 grad_a=grad_a, grad_b=grad_b, name=name)
     if transpose_a or transpose_b:
         raise TapehookError("binary Dense supports x @ W without transposes")
-    x, w = _check(a, b, spec, "Dense")
+    x, w = _check(a, b, "Dense")
     return reference.binary_matmul(x, w, spec, _count_backward)
 
 
@@ -53,7 +51,7 @@ def _batch_mat_mul(version):
         if adj_x or adj_y or y.shape.rank != 2:
             raise TapehookError(
                 "binary Dense supports x @ W with a 2-D marked W and no adjoints")
-        xt, w = _check(x, y, spec, "Dense")
+        xt, w = _check(x, y, "Dense")
         return reference.binary_matmul(xt, w, spec, _count_backward)
     return batch_mat_mul
 
@@ -73,6 +71,6 @@ def depthwise_conv2d_native(input, filter, strides, padding, explicit_paddings=(
         raise TapehookError(
             f"a marked depthwise filter was used with data_format {data_format}; "
             f"binary kernels support NHWC only (Keras: data_format='channels_last')")
-    x, w = _check(input, filter, spec, "DepthwiseConv2D")
+    x, w = _check(input, filter, "DepthwiseConv2D")
     return reference.binary_depthwise_conv2d(x, w, spec, strides, padding,
                                              explicit_paddings, dilations, _count_backward)

@@ -70,6 +70,18 @@ def _check_markable(var):
     return comps
 
 
+def check_operands(x, w, what: str) -> None:
+    """A binary op's input and marked kernel must share one supported dtype."""
+    if w.dtype not in SUPPORTED_DTYPES:
+        raise TapehookError(
+            f"{what} kernel marked binary has dtype {w.dtype.name}; binary kernels "
+            f"support {_SUPPORTED_NAMES}")
+    if x.dtype != w.dtype:
+        raise TapehookError(
+            f"binary {what} input has dtype {x.dtype.name} but the marked kernel "
+            f"has {w.dtype.name}; cast the input to {w.dtype.name}")
+
+
 def make_spec(spec_kwargs) -> BinarySpec:
     try:
         return BinarySpec(**spec_kwargs)

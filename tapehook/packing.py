@@ -46,10 +46,6 @@ class PackedInput:
     channels: int
     dtype: tf.DType
 
-    @property
-    def shape(self):
-        return tf.concat([tf.shape(self.signs)[:-1], [self.channels]], 0)
-
     def x_hat(self):
         """sign(x) as +-1 in x's dtype."""
         bits = tf.cast(_unpack_bits(self.signs, self.channels), self.dtype)
