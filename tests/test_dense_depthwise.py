@@ -152,3 +152,9 @@ def test_keras_model_with_dense_and_depthwise(tmp_path):
         np.testing.assert_allclose(np.abs(w).mean(axis=axes),
                                    np.abs(original).mean(axis=axes), rtol=2e-5)
     assert_close(fresh(x), model(x), what="bitpacked round trip")
+
+
+def test_dense_dtype_mismatch_names_the_fix():
+    w = tapehook.mark_binary(tf.Variable(tf.ones([3, 2])))
+    with pytest.raises(tapehook.TapehookError, match="binary Dense input has dtype float64"):
+        tf.matmul(tf.ones([4, 3], tf.float64), w)
