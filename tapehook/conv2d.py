@@ -205,9 +205,10 @@ def _binary_backward(x, w, dy, spec, attrs, skip):
     skipped. ``x`` may be the PackedInput kept instead of the input."""
     if isinstance(x, PackedInput):
         # sign(x_hat) = x_hat: run as a float-input conv on x_hat, then e'(x).
-        dx, dw = _binary_backward(x.x_hat(), w, dy, dataclasses.replace(
+        x_hat, mask = x.unpack()
+        dx, dw = _binary_backward(x_hat, w, dy, dataclasses.replace(
             spec, activations=False), attrs, skip)
-        return (None if dx is None else dx * x.activation_grad()), dw
+        return (None if dx is None else dx * mask), dw
     if dispatch.backprop_path(attrs) == dispatch.STOCK:
         _count_reference(backprop_input=int(0 not in skip), backprop_filter=int(1 not in skip))
         return reference.binary_conv2d_backward(

@@ -34,15 +34,19 @@ def test_float_input_is_not_kept_by_the_tape():
     assert_close(dw, rdw, what="dW from packed bits")
 
 
-@pytest.mark.parametrize("channels", [1, 5, 8, 13])
-def test_pack_round_trip(channels):
-    x = tf.constant(np.random.default_rng(channels).normal(size=(2, 3, channels)), tf.float32)
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float16, tf.float64])
+@pytest.mark.parametrize("channels", [1, 3, 4, 5, 13])
+def test_pack_round_trip(channels, dtype):
+    x = tf.constant(np.random.default_rng(channels).normal(size=(2, 3, channels)), dtype)
     x = tf.where(tf.abs(x) < 0.2, tf.zeros_like(x), x)  # exact zeros map to +1
     spec = tapehook.BinarySpec(activations=True, clip=0.7)
     packed = packing.pack_input(x, spec)
-    assert packed.signs.dtype == tf.uint8 and packed.signs.shape[-1] == -(-channels // 8)
-    np.testing.assert_array_equal(packed.x_hat(), np.where(x >= 0, 1.0, -1.0))
-    np.testing.assert_array_equal(packed.activation_grad(), (np.abs(x) <= 0.7).astype(float))
+    assert packed.packed.dtype == tf.uint8 and packed.packed.shape[-1] == -(-channels // 4)
+    x_hat, mask = packed.unpack()
+    assert x_hat.dtype == dtype
+    np.testing.assert_array_equal(x_hat, np.where(x >= 0, 1.0, -1.0))
+    np.testing.assert_array_equal(
+        mask, (np.abs(tf.cast(x, tf.float32)) <= np.float32(0.7)).astype(float))
 
 
 def test_graph_backward_reads_the_bits_not_the_input():

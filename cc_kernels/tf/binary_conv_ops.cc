@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/binary_conv.h"
+#include "core/pack_input.h"
 #include "tf/conv_attrs.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
@@ -195,6 +196,97 @@ class BinaryConv2DBackpropOp : public OpKernel {
   ConvAttrs attrs_;
 };
 
+REGISTER_OP("TapehookPackInput")
+    .Input("input: T")
+    .Output("packed: uint8")
+    .Attr("T: {half, bfloat16, float, double}")
+    .Attr("clip: float = 1.0")
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      shape_inference::ShapeHandle in = c->input(0), prefix, out;
+      TF_RETURN_IF_ERROR(c->WithRankAtLeast(in, 1, &in));
+      TF_RETURN_IF_ERROR(c->Subshape(in, 0, -1, &prefix));
+      shape_inference::DimensionHandle channels = c->Dim(in, -1);
+      shape_inference::DimensionHandle bytes =
+          c->ValueKnown(channels)
+              ? c->MakeDim(PackedBytes(c->Value(channels)))
+              : c->UnknownDim();
+      TF_RETURN_IF_ERROR(c->Concatenate(prefix, c->Vector(bytes), &out));
+      c->set_output(0, out);
+      return absl::OkStatus();
+    })
+    .Doc("Sign and ste_sign mask bits of a binary conv's input (core/pack_input.h).");
+
+REGISTER_OP("TapehookUnpackInput")
+    .Input("packed: uint8")
+    .Output("x_hat: T")
+    .Output("mask: T")
+    .Attr("T: {half, bfloat16, float, double}")
+    .Attr("channels: int")
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      int64_t channels;
+      TF_RETURN_IF_ERROR(c->GetAttr("channels", &channels));
+      shape_inference::ShapeHandle in = c->input(0), prefix, out;
+      TF_RETURN_IF_ERROR(c->WithRankAtLeast(in, 1, &in));
+      TF_RETURN_IF_ERROR(c->Subshape(in, 0, -1, &prefix));
+      TF_RETURN_IF_ERROR(c->Concatenate(prefix, c->Vector(channels), &out));
+      c->set_output(0, out);
+      c->set_output(1, out);
+      return absl::OkStatus();
+    });
+
+template <typename T>
+class PackInputOp : public OpKernel {
+ public:
+  explicit PackInputOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("clip", &clip_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    OP_REQUIRES(ctx, x.dims() >= 1, errors::InvalidArgument("input must have a channel axis"));
+    const int64_t channels = x.dim_size(x.dims() - 1);
+    TensorShape shape = x.shape();
+    shape.set_dim(x.dims() - 1, PackedBytes(channels));
+    Tensor* packed = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &packed));
+    if (x.NumElements() == 0) return;
+    Widened<T> xw(x);
+    PackSignMask(xw.data(), x.NumElements() / channels, channels, clip_,
+                 packed->flat<uint8_t>().data(), ThreadPoolOf(ctx));
+  }
+
+ private:
+  float clip_;
+};
+
+template <typename T>
+class UnpackInputOp : public OpKernel {
+ public:
+  explicit UnpackInputOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("channels", &channels_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& packed = ctx->input(0);
+    OP_REQUIRES(ctx, packed.dims() >= 1 &&
+                         packed.dim_size(packed.dims() - 1) == PackedBytes(channels_),
+                errors::InvalidArgument("packed input does not hold ", channels_,
+                                        " channels"));
+    TensorShape shape = packed.shape();
+    shape.set_dim(packed.dims() - 1, channels_);
+    Tensor *x_hat = nullptr, *mask = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &x_hat));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, shape, &mask));
+    if (x_hat->NumElements() == 0) return;
+    WidenedOut<T> xo(x_hat), mo(mask);
+    UnpackSignMask(packed.flat<uint8_t>().data(), x_hat->NumElements() / channels_,
+                   channels_, xo.data(), mo.data(), ThreadPoolOf(ctx));
+    xo.Store();
+    mo.Store();
+  }
+
+ private:
+  int64_t channels_;
+};
+
 template <typename T>
 using BackpropInputOp = BinaryConv2DBackpropOp<T, false>;
 template <typename T>
@@ -212,7 +304,13 @@ using BackpropFilterOp = BinaryConv2DBackpropOp<T, true>;
   REGISTER_KERNEL_BUILDER(Name("TapehookBinaryConv2DBackpropFilter")        \
                               .Device(DEVICE_CPU)                           \
                               .TypeConstraint<T>("T"),                      \
-                          BackpropFilterOp<T>);
+                          BackpropFilterOp<T>);                             \
+  REGISTER_KERNEL_BUILDER(                                                  \
+      Name("TapehookPackInput").Device(DEVICE_CPU).TypeConstraint<T>("T"),  \
+      PackInputOp<T>);                                                      \
+  REGISTER_KERNEL_BUILDER(                                                  \
+      Name("TapehookUnpackInput").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
+      UnpackInputOp<T>);
 
 REGISTER_CPU(Eigen::half);
 REGISTER_CPU(Eigen::bfloat16);
