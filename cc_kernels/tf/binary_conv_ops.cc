@@ -165,7 +165,7 @@ class BinaryConv2DOp : public OpKernel {
   ConvAttrs attrs_;
 };
 
-// Both backprops take (input, filter, out_backprop); Grad selects the core call.
+// Both backprops take (input, filter, out_backprop); kFilter selects the core call.
 template <typename T, bool kFilter>
 class BinaryConv2DBackpropOp : public OpKernel {
  public:
