@@ -112,7 +112,8 @@ def binary_conv2d(x, w, spec: BinarySpec, attrs: dict, name=None):
                 ops.get_default_graph()):
             _warn_xla_once()
             library = None
-        if library is None or dispatch.forward_path(spec) == dispatch.STOCK:
+        if library is None or dispatch.forward_path(
+                spec, attrs, x.dtype.name) == dispatch.STOCK:
             _count_reference(forward=1)
             return reference.binary_conv2d(
                 x, w, spec, attrs["strides"], attrs["padding"],
@@ -205,11 +206,18 @@ def _binary_backward(x, w, dy, spec, attrs, skip):
     skipped. ``x`` may be the PackedInput kept instead of the input."""
     if isinstance(x, PackedInput):
         # sign(x_hat) = x_hat: run as a float-input conv on x_hat, then e'(x).
+        # dX: a float-input backprop on x_hat, times e'(x). dW: x_hat is its
+        # own sign, so the binary-input backprop (one exact bf16 part on AMX)
+        # gives the same result as a float-input one, with less work.
         x_hat, mask = x.unpack()
-        dx, dw = _binary_backward(x_hat, w, dy, dataclasses.replace(
-            spec, activations=False), attrs, skip)
+        skip = tuple(skip)
+        dx = None if 0 in skip else _binary_backward(
+            x_hat, w, dy, dataclasses.replace(spec, activations=False), attrs,
+            skip + (1,))[0]
+        dw = None if 1 in skip else _binary_backward(
+            x_hat, w, dy, spec, attrs, skip + (0,))[1]
         return (None if dx is None else dx * mask), dw
-    if dispatch.backprop_path(attrs) == dispatch.STOCK:
+    if dispatch.backprop_path(attrs, dy.dtype.name) == dispatch.STOCK:
         _count_reference(backprop_input=int(0 not in skip), backprop_filter=int(1 not in skip))
         return reference.binary_conv2d_backward(
             x, w, dy, spec, attrs["strides"], attrs["padding"], attrs["explicit_paddings"],

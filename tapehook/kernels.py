@@ -176,6 +176,7 @@ def _load():
     cdll = ctypes.CDLL(record["path"])
     cdll.tapehook_built_tf_version.restype = ctypes.c_char_p
     cdll.tapehook_dispatch_count.restype = ctypes.c_int64
+    cdll.tapehook_amx_usable.restype = ctypes.c_int
     built_for = cdll.tapehook_built_tf_version().decode()
     if built_for != tf.__version__:
         raise TapehookError(
@@ -224,10 +225,22 @@ def force_reference(enabled: bool) -> None:
     _forced_reference[0] = bool(enabled)
 
 
+def amx_usable() -> bool:
+    """Whether the loaded CPU kernels run their float-operand convolutions on
+    Intel AMX (cc_kernels/core/amx_conv.h): the CPU has AMX-BF16, Linux
+    granted the tile state, and TAPEHOOK_NO_AMX / TAPEHOOK_NO_AVX2 are unset.
+    Read on each call, like the kernels do."""
+    library()
+    cdll = _state["cdll"]
+    return bool(cdll is not None and cdll.tapehook_amx_usable())
+
+
 def kernel_info() -> dict:
     """Which compiled kernels are loaded, what they were built against, or why not."""
     library()
     cpu = dict(_state["info"])
+    if cpu.get("loaded"):
+        cpu["amx"] = amx_usable()
     if _forced_reference[0]:
         cpu["forced_reference"] = True
     if cpu.get("cuda"):

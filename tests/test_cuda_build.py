@@ -43,6 +43,7 @@ def host_builds(tmp_path_factory):
         "tile_test": (tile_test, _start([
             cuda_build.find_nvcc(), "-std=c++17", "-O2", f"-I{CC}",
             str(CC / "cuda/harness/tile_logic_test.cu"), str(CC / "core/binary_conv.cc"),
+            str(CC / "core/amx_conv.cc"),
             "-o", str(tile_test)])),
         # As a CUDA build of TF compiles binary_conv_ops_gpu.cc (compile_cuda's flags).
         "gpu_wrapper": _start(["g++", *compile_flags, "-DGOOGLE_CUDA=1",

@@ -10,24 +10,40 @@ NONE = dict(forward=0, backprop_input=0, backprop_filter=0)
 ONE = dict(forward=1, backprop_input=1, backprop_filter=1)
 
 
-@pytest.mark.parametrize("activations,dilation,compiled,reference", [
-    (False, 1, NONE, ONE),                                             # weight-only: stock
-    (True, 1, dict(forward=1, backprop_input=0, backprop_filter=0),
-     dict(forward=0, backprop_input=1, backprop_filter=1)),          # bitpacked fwd
-    (True, 2, ONE, NONE),                                              # dilated: kernels
+FWD_ONLY = dict(forward=1, backprop_input=0, backprop_filter=0)
+BACKPROPS = dict(forward=0, backprop_input=1, backprop_filter=1)
+
+
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize("activations,dilation,stride,without_amx,with_amx", [
+    # weight-only: stock; on AMX (stride 1) all kernels
+    (False, 1, 1, (NONE, ONE), (ONE, NONE)),
+    # bitpacked forward; backprops stock, or AMX kernels
+    (True, 1, 1, (FWD_ONLY, BACKPROPS), (ONE, NONE)),
+    # dilated: kernels
+    (True, 2, 1, (ONE, NONE), (ONE, NONE)),
+    # strided: the AMX kernels take stride 1 only
+    (False, 1, 2, (NONE, ONE), (NONE, ONE)),
 ])
 @pytest.mark.parametrize("mode", ["eager", "tape_in_function", "v1_gradients"])
 def test_auto_routes_and_matches_reference(monkeypatch, mode, activations, dilation,
-                                           compiled, reference):
+                                           stride, without_amx, with_amx, amx):
     monkeypatch.setenv("TAPEHOOK_DISPATCH", "auto")
+    if amx and not tapehook.kernel_info()["cpu"].get("amx"):
+        pytest.skip("this CPU (or build) has no AMX kernels")
+    if not amx:
+        monkeypatch.setenv("TAPEHOOK_NO_AMX", "1")
+    compiled, reference = with_amx if amx else without_amx
     spec = tapehook.BinarySpec(activations=activations, scale="mean_abs")
     x, w0 = random_inputs((2, 7, 7, 3), (3, 3, 3, 4))
-    g = upstream((2, 7, 7, 4), tf.float32)
-    conv = dict(padding="SAME", dilations=dilation)
+    out = 7 if stride == 1 else 4
+    g = upstream((2, out, out, 4), tf.float32)
+    conv = dict(padding="SAME", dilations=dilation, strides=stride)
     y, dx, dw = MODES[mode](x, w0, g, conv,
                             lambda w: tapehook.mark_binary(w, activations=activations,
                                                            scale="mean_abs"))
-    ry, rdx, rdw = reference_result(x, w0, spec, g, dilations=[1, dilation, dilation, 1])
+    ry, rdx, rdw = reference_result(x, w0, spec, g, strides=[1, stride, stride, 1],
+                                    dilations=[1, dilation, dilation, 1])
     assert_close(y, ry, what="forward")
     assert_close(dx, rdx, what="dX")
     assert_close(dw, rdw, what="dW")

@@ -2,6 +2,7 @@
 // GEMM. Plain portable C++17; the inner loops are written so that -O3
 // vectorizes them without any -march flags.
 #include "binary_conv.h"
+#include "amx_conv.h"
 #include "simd_avx2.h"
 
 #include <algorithm>
@@ -615,6 +616,19 @@ void BitpackedForward(const ConvShape& s, const T* x, const T* w,
   });
 }
 
+// alpha as floats for the AMX kernels (null: no scale).
+template <typename T>
+std::vector<float> AlphaF(const ConvShape& s, const T* w, Scale scale) {
+  std::vector<float> out;
+  if (scale == Scale::kNone) return out;
+  for (double a : Alpha(s, w, scale)) out.push_back(static_cast<float>(a));
+  return out;
+}
+
+inline const float* OrNull(const std::vector<float>& v) {
+  return v.empty() ? nullptr : v.data();
+}
+
 }  // namespace
 
 template <typename T>
@@ -626,6 +640,12 @@ void BinaryConv2DForward(const ConvShape& s, const T* x, const T* w,
   const int64_t pixels = OutPixels(s);
   if (pixels == 0) return;
   if (binary_input) return BitpackedForward(s, x, w, scale, y, parallel_for);
+  if constexpr (std::is_same<T, float>::value) {
+    if (amx::Usable() && amx::SupportsForward(s)) {
+      const std::vector<float> alpha = AlphaF(s, w, scale);
+      if (amx::Forward(s, x, w, OrNull(alpha), y, parallel_for)) return;
+    }
+  }
   const PackedB<T> w_hat =
       PackedSignedWeights(s, w, scale, /*transpose=*/false, parallel_for);
   const int64_t blocks = (pixels + kPixelBlock - 1) / kPixelBlock;
@@ -653,6 +673,15 @@ void BinaryConv2DBackpropInput(const ConvShape& s, const T* x, const T* w,
   const int64_t in_rows = s.batch * s.in_h;
   const int64_t row_len = s.in_w * C;
   if (in_rows * row_len == 0) return;
+  if constexpr (std::is_same<T, float>::value) {
+    if (OutPixels(s) > 0 && amx::Usable() && amx::SupportsBackpropInput(s)) {
+      const std::vector<float> alpha = AlphaF(s, w, scale);
+      if (amx::BackpropInput(s, x, w, dy, act_est, clip, OrNull(alpha), dx,
+                             parallel_for)) {
+        return;
+      }
+    }
+  }
 
   // The scatter below only adds, and may never touch some pixels.
   parallel_for(in_rows, row_len, [&](int64_t r0, int64_t r1) {
@@ -731,6 +760,15 @@ void BinaryConv2DBackpropFilter(const ConvShape& s, const T* x, const T* w,
   const int64_t N = s.out_c;
   if (FilterSize(s) * N == 0) return;
   const int64_t pixels = OutPixels(s);
+  if constexpr (std::is_same<T, float>::value) {
+    if (pixels > 0 && amx::Usable() && amx::SupportsBackpropFilter(s)) {
+      const std::vector<float> alpha = AlphaF(s, w, scale);
+      if (amx::BackpropFilter(s, x, w, dy, act_est, w_est, clip,
+                              OrNull(alpha), dw, parallel_for)) {
+        return;
+      }
+    }
+  }
   const bool binary = act_est != Estimator::kNone;
   const std::vector<double> alpha = Alpha(s, w, scale);
 

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "core/amx_conv.h"
 #include "core/binary_conv.h"
 #include "core/pack_input.h"
 #include "tf/conv_attrs.h"
@@ -335,4 +336,6 @@ void tapehook_reset_dispatch_counts() {
   for (auto& c : tapehook::g_counts) c.store(0, std::memory_order_relaxed);
 }
 const char* tapehook_built_tf_version() { return TAPEHOOK_TF_VERSION; }
+// 1 when the float-operand kernels run on AMX (see core/amx_conv.h).
+int tapehook_amx_usable() { return tapehook::amx::Usable() ? 1 : 0; }
 }

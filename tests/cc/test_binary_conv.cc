@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "cc_kernels/core/amx_conv.h"
 #include "cc_kernels/core/binary_conv.h"
 
 namespace {
@@ -615,7 +616,12 @@ int main() {
   const bool forced_off =
       first != nullptr && first[0] != '\0' && first[0] != '0';
   int failed = RunSweep(forced_off ? "portable (TAPEHOOK_NO_AVX2 set)"
-                                   : "cpu best (AVX2 if supported)");
+                                   : "cpu best (AMX / AVX2 if supported)");
+  if (tapehook::amx::Usable()) {  // the float kernels once more without AMX
+    setenv("TAPEHOOK_NO_AMX", "1", /*overwrite=*/1);
+    failed += RunSweep("no AMX (TAPEHOOK_NO_AMX=1)");
+    unsetenv("TAPEHOOK_NO_AMX");
+  }
   setenv("TAPEHOOK_NO_AVX2", "1", /*overwrite=*/1);
   TestEmptyBatch();
   failed += RunSweep("portable");

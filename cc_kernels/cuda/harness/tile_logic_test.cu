@@ -3,7 +3,7 @@
 // over the kernel's padded tile ranges, and compared with the CPU core.
 //
 //   nvcc -std=c++17 -Icc_kernels cc_kernels/cuda/harness/tile_logic_test.cu
-//        cc_kernels/core/binary_conv.cc -o /tmp/t && /tmp/t
+//        cc_kernels/core/binary_conv.cc cc_kernels/core/amx_conv.cc -o /tmp/t && /tmp/t
 //
 // What this does not cover (needs a GPU, bench/cuda_harness.py): thread to
 // tile mapping, shared memory, synchronization, launch configuration.

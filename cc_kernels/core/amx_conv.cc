@@ -1,0 +1,851 @@
+// AMX kernels for the float-operand binary convolutions (see amx_conv.h for
+// the bf16 split that keeps them exact).
+//
+// Layout. A stride-1 convolution reads, for output pixel (n, oh, ow) and tap
+// (kh, kw), the padded input pixel (n, oh + kh * dil_h, ow + kw * dil_w).
+// Flatten each padded image row-major into one "q grid" (plane = hp * wp
+// rows per image) and put output pixel (n, oh, ow) at q = n * plane +
+// oh * wp + ow: then tap t reads grid row q + off[t], off[t] = kh * dil_h *
+// wp + kw * dil_w, for every output pixel alike. A tile of 16 consecutive q
+// is then a 16-row strided block of the padded input, which is exactly what
+// an AMX tile load reads, so the convolution is a GEMM over shifted row
+// blocks with no im2col copy. Grid positions that are not output pixels
+// (ow >= out_w, oh >= out_h) are computed and dropped.
+#include "amx_conv.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#if defined(__x86_64__) && defined(__linux__) &&                     \
+    ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) || \
+     (defined(__clang__) && __clang_major__ >= 12))
+#define TAPEHOOK_HAVE_AMX_PATH 1
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TAPEHOOK_AMX \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl")))
+// GCC 12 warns inside its own AVX-512 headers (_mm512_undefined_*) when
+// they are inlined at -O2; a false positive, silenced for this file.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#else
+#define TAPEHOOK_HAVE_AMX_PATH 0
+#endif
+
+#ifdef TAPEHOOK_AMX_PROFILE
+#include <chrono>
+#include <cstdio>
+#include <time.h>
+inline double ThreadNow() { timespec ts; clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts); return ts.tv_sec * 1e3 + 1e-6 * ts.tv_nsec; }
+#define PROF(name) do { double _n = ThreadNow(); std::fprintf(stderr, "  %s %.2f ms\n", name, _n - _prof_t); _prof_t = _n; } while (0)
+#define PROF_START double _prof_t = ThreadNow()
+#else
+#define PROF(name)
+#define PROF_START
+#endif
+namespace tapehook {
+namespace amx {
+namespace {
+
+bool CpuAndOsReady() {
+#if TAPEHOOK_HAVE_AMX_PATH
+  static const bool ready = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool tile = (d >> 24) & 1, bf16 = (d >> 22) & 1;
+    if (!tile || !bf16 || !__builtin_cpu_supports("avx512f") ||
+        !__builtin_cpu_supports("avx512bw")) {
+      return false;
+    }
+    // Linux hands out the 8 KiB tile state only on request (per process).
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ready;
+#else
+  return false;
+#endif
+}
+
+// Scratch memory is recycled between calls: a fresh multi-MiB block costs a
+// page fault per 4 KiB on first touch (about 2 us each in a VM), as much as
+// the convolution itself. Blocks are returned to this pool when a call ends
+// and handed out again best-fit; at most kPoolBytes stay cached.
+class ScratchPool {
+ public:
+  static constexpr size_t kPoolBytes = size_t{512} << 20;
+
+  void* Take(size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      size_t best = free_.size();
+      for (size_t i = 0; i < free_.size(); ++i) {
+        if (free_[i].first >= bytes &&
+            (best == free_.size() || free_[i].first < free_[best].first)) {
+          best = i;
+        }
+      }
+      if (best < free_.size()) {
+        void* p = free_[best].second;
+        cached_ -= free_[best].first;
+        free_.erase(free_.begin() + best);
+        return p;
+      }
+    }
+    return std::aligned_alloc(64, bytes);
+  }
+
+  void Give(void* p, size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.emplace_back(bytes, p);
+    cached_ += bytes;
+    while (cached_ > kPoolBytes) {  // drop the smallest blocks first
+      auto it = std::min_element(free_.begin(), free_.end());
+      cached_ -= it->first;
+      std::free(it->second);
+      free_.erase(it);
+    }
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::pair<size_t, void*>> free_;
+  size_t cached_ = 0;
+};
+
+ScratchPool& Pool() {
+  static ScratchPool* pool = new ScratchPool;  // never destroyed: no exit races
+  return *pool;
+}
+
+int64_t RoundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+// n bf16 values of scratch, 64-byte aligned, contents undefined.
+struct Buffer {
+  explicit Buffer(int64_t n)
+      : bytes(RoundUp(std::max<int64_t>(n, 1) * 2, 4096)),
+        p(static_cast<uint16_t*>(Pool().Take(bytes))) {}
+  ~Buffer() { Pool().Give(p, bytes); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  size_t bytes;
+  uint16_t* p;
+};
+
+constexpr uint16_t kOne = 0x3F80, kMinusOne = 0xBF80;  // bf16 +1, -1
+// Same convention as the other kernels: sign(t) = +1 for t >= 0.
+inline uint16_t SignBf16(float t) { return t >= 0 ? kOne : kMinusOne; }
+
+inline uint32_t Bits(float v) {
+  uint32_t b;
+  std::memcpy(&b, &v, 4);
+  return b;
+}
+inline float FromBits(uint32_t b) {
+  float v;
+  std::memcpy(&v, &b, 4);
+  return v;
+}
+
+// v = hi + mid + lo exactly (bf16 parts by truncation, see amx_conv.h).
+inline void Split3(float v, uint16_t* hi, uint16_t* mid, uint16_t* lo) {
+  const uint32_t h = Bits(v) & 0xFFFF0000u;
+  const float r = v - FromBits(h);
+  const uint32_t m = Bits(r) & 0xFFFF0000u;
+  *hi = static_cast<uint16_t>(h >> 16);
+  *mid = static_cast<uint16_t>(m >> 16);
+  *lo = static_cast<uint16_t>(Bits(r - FromBits(m)) >> 16);
+}
+
+// out[0, n) = hi parts, out[kp, kp + n) = mid, out[2 kp, 2 kp + n) = lo of
+// v[i] * scale[i] (scale may be null); zeros up to each kp.
+void SplitRowPortable(const float* v, const float* scale, int64_t n,
+                      int64_t kp, uint16_t* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float t = scale ? v[i] * scale[i] : v[i];
+    Split3(t, out + i, out + kp + i, out + 2 * kp + i);
+  }
+  for (int part = 0; part < 3; ++part) {
+    std::fill(out + part * kp + n, out + (part + 1) * kp, uint16_t{0});
+  }
+}
+
+#if TAPEHOOK_HAVE_AMX_PATH
+TAPEHOOK_AMX void SplitRow512(const float* v, const float* scale, int64_t n,
+                              int64_t kp, uint16_t* out) {
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t i = 0; i < kp; i += 16) {
+    const __mmask16 m =
+        i + 16 <= n ? __mmask16(0xFFFF)
+                    : __mmask16(i >= n ? 0 : (1u << (n - i)) - 1);
+    __m512 t = _mm512_maskz_loadu_ps(m, v + i);
+    if (scale) t = _mm512_mul_ps(t, _mm512_maskz_loadu_ps(m, scale + i));
+    const __m512i hb = _mm512_and_si512(_mm512_castps_si512(t), top);
+    const __m512 r = _mm512_sub_ps(t, _mm512_castsi512_ps(hb));
+    const __m512i mb = _mm512_and_si512(_mm512_castps_si512(r), top);
+    const __m512i lb =
+        _mm512_castps_si512(_mm512_sub_ps(r, _mm512_castsi512_ps(mb)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(hb, 16)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + kp + i),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(mb, 16)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * kp + i),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(lb, 16)));
+  }
+}
+#endif
+
+void SplitRow(const float* v, const float* scale, int64_t n, int64_t kp,
+              uint16_t* out) {
+#if TAPEHOOK_HAVE_AMX_PATH
+  if (kp % 16 == 0) return SplitRow512(v, scale, n, kp, out);
+#endif
+  SplitRowPortable(v, scale, n, kp, out);
+}
+
+// out[i][base + 2 o + e] = part i of row e's value o (rows may be null:
+// zeros), for o < n_pad; values past n are zero.
+void InterleaveSplitPairPortable(const float* r0, const float* r1, int64_t n,
+                                 int64_t n_pad, int64_t base,
+                                 uint16_t* const* out) {
+  for (int64_t o = 0; o < n_pad; ++o) {
+    for (int e = 0; e < 2; ++e) {
+      const float* r = e == 0 ? r0 : r1;
+      uint16_t part[3] = {0, 0, 0};
+      if (r != nullptr && o < n) Split3(r[o], &part[0], &part[1], &part[2]);
+      for (int i = 0; i < 3; ++i) out[i][base + 2 * o + e] = part[i];
+    }
+  }
+}
+
+#if TAPEHOOK_HAVE_AMX_PATH
+// The AVX-512 version: a pair's bf16 parts form one 32-bit word
+// (row 1's part << 16 | row 0's part), so no shuffles are needed.
+TAPEHOOK_AMX void InterleaveSplitPair512(const float* r0, const float* r1,
+                                         int64_t n, int64_t n_pad,
+                                         int64_t base, uint16_t* const* out) {
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t o = 0; o < n_pad; o += 16) {
+    const __mmask16 m =
+        o + 16 <= n ? __mmask16(0xFFFF)
+                    : __mmask16(o >= n ? 0 : (1u << (n - o)) - 1);
+    __m512i parts[2][3];
+    for (int e = 0; e < 2; ++e) {
+      const float* r = e == 0 ? r0 : r1;
+      const __m512 t = r ? _mm512_maskz_loadu_ps(m, r + o) : _mm512_setzero_ps();
+      const __m512i hb = _mm512_and_si512(_mm512_castps_si512(t), top);
+      const __m512 rem = _mm512_sub_ps(t, _mm512_castsi512_ps(hb));
+      const __m512i mb = _mm512_and_si512(_mm512_castps_si512(rem), top);
+      const __m512i lb =
+          _mm512_castps_si512(_mm512_sub_ps(rem, _mm512_castsi512_ps(mb)));
+      parts[e][0] = hb;
+      parts[e][1] = mb;
+      parts[e][2] = _mm512_and_si512(lb, top);
+    }
+    for (int i = 0; i < 3; ++i) {
+      const __m512i word =
+          _mm512_or_si512(_mm512_srli_epi32(parts[0][i], 16), parts[1][i]);
+      _mm512_storeu_si512(out[i] + base + 2 * o, word);
+    }
+  }
+}
+#endif
+
+void InterleaveSplitPair(const float* r0, const float* r1, int64_t n,
+                         int64_t n_pad, int64_t base, uint16_t* const* out) {
+#if TAPEHOOK_HAVE_AMX_PATH
+  if (n_pad % 16 == 0) {
+    return InterleaveSplitPair512(r0, r1, n, n_pad, base, out);
+  }
+#endif
+  InterleaveSplitPairPortable(r0, r1, n, n_pad, base, out);
+}
+
+
+inline float ActGrad(Estimator e, float x, double clip) {
+  if (e == Estimator::kNone) return 1.0f;
+  if (e == Estimator::kSteSign) return std::abs(x) <= clip ? 1.0f : 0.0f;
+  return static_cast<float>(EstimatorGrad(e, x, clip));
+}
+
+// The padded input of a stride-1 conv as a q grid (see the file comment).
+struct Grid {
+  int64_t batch, hp, wp;
+  int64_t top, left;       // zero rows / columns before the data
+  int64_t rows, cols;      // data size (in_h, in_w of what is padded)
+  int64_t out_h, out_w;    // the output pixels that live on the grid
+  int64_t plane() const { return hp * wp; }
+  // One past the last output pixel's q.
+  int64_t q_end() const {
+    return (batch - 1) * plane() + (out_h - 1) * wp + out_w;
+  }
+  // Data pixel index (n * rows + r) * cols + c of grid row q, or -1 when q
+  // is padding.
+  int64_t DataPixel(int64_t q) const {
+    const int64_t n = q / plane(), rem = q % plane();
+    const int64_t r = rem / wp - top, c = rem % wp - left;
+    if (n >= batch || r < 0 || r >= rows || c < 0 || c >= cols) return -1;
+    return (n * rows + r) * cols + c;
+  }
+  // Output pixel index of q, or -1 when q is not an output pixel.
+  int64_t OutPixel(int64_t q) const {
+    const int64_t n = q / plane(), rem = q % plane();
+    const int64_t r = rem / wp, c = rem % wp;
+    if (n >= batch || r >= out_h || c >= out_w) return -1;
+    return (n * out_h + r) * out_w + c;
+  }
+};
+
+struct Taps {
+  std::vector<int64_t> off;  // grid row offset of each tap
+  int64_t max_off = 0;
+};
+
+Taps TapOffsets(const ConvShape& s, int64_t wp) {
+  Taps t;
+  for (int64_t kh = 0; kh < s.k_h; ++kh) {
+    for (int64_t kw = 0; kw < s.k_w; ++kw) {
+      t.off.push_back(kh * s.dil_h * wp + kw * s.dil_w);
+    }
+  }
+  t.max_off = t.off.back();
+  return t;
+}
+
+// ---------------------------------------------------------------------------
+// Shifted GEMM: C[q, o] = sum_t sum_k A[q + off[t], k] * B_t[k, o].
+// A: rows of 3 * kp bf16 (kp % 32 == 0): the hi, mid and lo parts of one
+// pixel's k values, each part zero-padded to kp. The parts multiply the same
+// B, so B_t is [kp, o] and each B tile is loaded once for three A tiles.
+// B: [o_pairs][taps][kp / 32][2 tiles][16 k-pairs][16 cols][2] (AMX's
+// pair-interleaved layout), so one o pair's B is contiguous and stays close
+// while the thread walks all q for it.
+struct ShiftedGemm {
+  const uint16_t* a;
+  int64_t kp;
+  const int64_t* off;
+  int64_t taps;
+  const uint16_t* b;
+  int64_t o_pairs, q_pairs;
+  bool q_major;  // unit order, see ShiftedGemmUnits
+};
+
+// Receives one finished 32 x 32 block: c[i * 2 + j] is the 16 x 16 tile of
+// rows q0 + 16 i + r, columns o0 + 16 j + col (row-major).
+using BlockStore =
+    std::function<void(int64_t q0, int64_t o0, const float (*c)[256])>;
+
+#if TAPEHOOK_HAVE_AMX_PATH
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// All 8 tiles: 16 rows of 64 bytes (16 fp32 or 32 bf16).
+TAPEHOOK_AMX void ConfigureTiles() {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+  _tile_loadconfig(&cfg);
+}
+
+// Units [u0, u1): unit u is (o pair u / q_pairs, q pair u % q_pairs).
+// Tiles 0-3 accumulate the 2 x 2 block, 4-5 hold A, 6-7 hold B.
+TAPEHOOK_AMX void ShiftedGemmUnits(const ShiftedGemm& g, int64_t u0,
+                                   int64_t u1, const BlockStore& store) {
+  ConfigureTiles();
+  alignas(64) float c[4][256];
+  const int64_t chunks = g.kp / 32, ka = 3 * g.kp, lda = ka * 2;
+  for (int64_t u = u0; u < u1; ++u) {
+    // q-major when all of B stays in L2 (A then streams from memory once),
+    // else o-major (each o pair's B stays in L2, A streams once per pair).
+    const int64_t op = g.q_major ? u % g.o_pairs : u / g.q_pairs;
+    const int64_t q0 = (g.q_major ? u / g.o_pairs : u % g.q_pairs) * 32;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const uint16_t* bt = g.b + op * g.taps * chunks * 1024;
+    for (int64_t t = 0; t < g.taps; ++t) {
+      const uint16_t* a0 = g.a + (q0 + g.off[t]) * ka;
+      for (int64_t kc = 0; kc < chunks; ++kc, bt += 1024) {
+        _tile_loadd(6, bt, 64);
+        _tile_loadd(7, bt + 512, 64);
+        for (int64_t part = 0; part < 3; ++part) {
+          const uint16_t* ap = a0 + part * g.kp + kc * 32;
+          _tile_loadd(4, ap, lda);
+          _tile_loadd(5, ap + 16 * ka, lda);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    _tile_stored(2, c[2], 64);
+    _tile_stored(3, c[3], 64);
+    store(q0, op * 32, c);
+  }
+  _tile_release();
+}
+#endif
+
+// Whether all of B (o_pairs * taps * kp / 32 tile pairs of 2 KiB) fits in
+// about half of a 2 MiB L2.
+bool QMajor(int64_t o_pairs, int64_t taps, int64_t kp) {
+  return o_pairs * taps * (kp / 32) * 2048 <= (int64_t{1} << 20);
+}
+
+void RunShiftedGemm(const ShiftedGemm& g, const BlockStore& store,
+                    const ParallelFor& parallel_for) {
+#if TAPEHOOK_HAVE_AMX_PATH
+  const int64_t cost = 32 * 32 * g.taps * g.kp * 3 / 8;
+  parallel_for(g.o_pairs * g.q_pairs, cost, [&](int64_t u0, int64_t u1) {
+    ShiftedGemmUnits(g, u0, u1, store);
+  });
+#endif
+}
+
+// Packs B_t[k, o] = value(t, k, o) (k < kp) in ShiftedGemm's layout.
+template <typename Value>
+void PackShiftedB(int64_t taps, int64_t kp, int64_t o_pairs, Value value,
+                  uint16_t* b, const ParallelFor& parallel_for) {
+  const int64_t chunks = kp / 32;
+  parallel_for(o_pairs * taps, chunks * 1024, [&](int64_t v0, int64_t v1) {
+    for (int64_t v = v0; v < v1; ++v) {
+      const int64_t op = v / taps, t = v % taps;
+      uint16_t* out = b + v * chunks * 1024;
+      for (int64_t kc = 0; kc < chunks; ++kc) {
+        for (int64_t j = 0; j < 2; ++j) {
+          for (int64_t kp = 0; kp < 16; ++kp) {
+            for (int64_t col = 0; col < 16; ++col) {
+              for (int64_t e = 0; e < 2; ++e) {
+                *out++ = value(t, kc * 32 + 2 * kp + e, op * 32 + j * 16 + col);
+              }
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+// Fills A rows [0, rows) of a grid: each data pixel's `channels` values
+// (times scale[c] if given) split into hi, mid and lo parts of kp values
+// each (zero-padded), zeros for padding pixels.
+void FillSplitRows(const Grid& grid, const float* data, const float* scale,
+                   int64_t channels, int64_t kp, int64_t rows, uint16_t* a,
+                   const ParallelFor& parallel_for) {
+  const int64_t ka = 3 * kp;
+  parallel_for(rows, ka, [&](int64_t r0, int64_t r1) {
+    for (int64_t q = r0; q < r1; ++q) {
+      uint16_t* row = a + q * ka;
+      const int64_t p = grid.DataPixel(q);
+      if (p < 0) {
+        std::fill(row, row + ka, uint16_t{0});
+        continue;
+      }
+      SplitRow(data + p * channels, scale, channels, kp, row);
+    }
+  });
+}
+
+// alpha (or ones) padded with ones to a multiple of 32.
+std::vector<float> PaddedScale(const float* alpha, int64_t n) {
+  std::vector<float> out(RoundUp(n, 32), 1.0f);
+  if (alpha) std::copy(alpha, alpha + n, out.begin());
+  return out;
+}
+
+// Writes the output-pixel rows of a finished 32 x 32 block (c as in
+// BlockStore) to out[pixel * ld + j] = c * scale[j], j < n.
+void StoreRows(const Grid& grid, int64_t q0, const float (*c)[256],
+               const float* scale, int64_t n, float* out, int64_t ld) {
+  for (int64_t r = 0; r < 32; ++r) {
+    const int64_t p = grid.OutPixel(q0 + r);
+    if (p < 0) continue;
+    float* dst = out + p * ld;
+    const float* left = c[(r / 16) * 2] + (r % 16) * 16;
+    const float* right = c[(r / 16) * 2 + 1] + (r % 16) * 16;
+    if (n == 32) {
+      for (int j = 0; j < 16; ++j) dst[j] = left[j] * scale[j];
+      for (int j = 0; j < 16; ++j) dst[16 + j] = right[j] * scale[16 + j];
+    } else {
+      for (int64_t j = 0; j < std::min<int64_t>(n, 16); ++j) {
+        dst[j] = left[j] * scale[j];
+      }
+      for (int64_t j = 16; j < n; ++j) dst[j] = right[j - 16] * scale[j];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Backprop filter: dW_t[c, o] = sum_q X[c, q + off[t]] * D[q, o], X being
+// x_hat on the grid transposed (rows = channels), D being dy on the grid
+// in pair-interleaved rows: [q / 2][o_pad][2].
+struct FilterGemm {
+  const uint16_t* const* x_parts;  // [c_pad][qa] each
+  int64_t qa;
+  const uint16_t* const* d_parts;  // [q_len / 2][o_pad][2] each
+  int64_t o_pad, q_len, kblock;
+  const int64_t* off;
+  int64_t c_pairs, o_pairs;
+  // products kept: x part pairs[i].first times d part pairs[i].second,
+  // grouped by x part.
+  const int* x_of;
+  const int* d_of;
+  int n_pairs;
+  float* acc;  // [units][4][256]
+};
+
+#if TAPEHOOK_HAVE_AMX_PATH
+TAPEHOOK_AMX void FilterGemmUnits(const FilterGemm& g, int64_t u0,
+                                  int64_t u1) {
+  ConfigureTiles();
+  const int64_t lda = g.qa * 2, ldb = g.o_pad * 4;
+  const int64_t per_tap = g.c_pairs * g.o_pairs;
+  for (int64_t k0 = 0; k0 < g.q_len; k0 += g.kblock) {
+    const int64_t k1 = std::min(g.q_len, k0 + g.kblock);
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t t = u / per_tap, rem = u % per_tap;
+      const int64_t c0 = rem / g.o_pairs * 32, o0 = rem % g.o_pairs * 32;
+      float* acc = g.acc + u * 1024;
+      if (k0 == 0) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      } else {
+        _tile_loadd(0, acc, 64);
+        _tile_loadd(1, acc + 256, 64);
+        _tile_loadd(2, acc + 512, 64);
+        _tile_loadd(3, acc + 768, 64);
+      }
+      for (int64_t q0 = k0; q0 < k1; q0 += 32) {
+        int last_x = -1;
+        for (int i = 0; i < g.n_pairs; ++i) {
+          if (g.x_of[i] != last_x) {
+            last_x = g.x_of[i];
+            const uint16_t* xa = g.x_parts[last_x] + c0 * g.qa + q0 + g.off[t];
+            _tile_loadd(4, xa, lda);
+            _tile_loadd(5, xa + 16 * g.qa, lda);
+          }
+          const uint16_t* db = g.d_parts[g.d_of[i]] + q0 / 2 * g.o_pad * 2 +
+                               o0 * 2;
+          _tile_loadd(6, db, ldb);
+          _tile_loadd(7, db + 32, ldb);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, acc, 64);
+      _tile_stored(1, acc + 256, 64);
+      _tile_stored(2, acc + 512, 64);
+      _tile_stored(3, acc + 768, 64);
+    }
+  }
+  _tile_release();
+}
+#endif
+
+// The grid of a stride-1 forward conv's padded input.
+Grid InputGrid(const ConvShape& s) {
+  const int64_t eh = (s.k_h - 1) * s.dil_h, ew = (s.k_w - 1) * s.dil_w;
+  Grid g;
+  g.batch = s.batch;
+  g.top = s.pad_top;
+  g.left = s.pad_left;
+  g.rows = s.in_h;
+  g.cols = s.in_w;
+  g.out_h = s.out_h;
+  g.out_w = s.out_w;
+  g.hp = std::max(s.pad_top + s.in_h, s.out_h + eh);
+  g.wp = std::max(s.pad_left + s.in_w, s.out_w + ew);
+  return g;
+}
+
+bool NonEmpty(const ConvShape& s) {
+  return s.batch > 0 && s.in_h > 0 && s.in_w > 0 && s.in_c > 0 &&
+         s.out_c > 0 && s.out_h > 0 && s.out_w > 0 && s.k_h > 0 && s.k_w > 0;
+}
+
+}  // namespace
+
+bool Usable() {
+  // TAPEHOOK_NO_AVX2 asks for the portable kernels: no AMX either.
+  for (const char* name : {"TAPEHOOK_NO_AMX", "TAPEHOOK_NO_AVX2"}) {
+    const char* off = std::getenv(name);
+    if (off != nullptr && off[0] != '\0' && off[0] != '0') return false;
+  }
+  return CpuAndOsReady();
+}
+
+bool SupportsForward(const ConvShape& s) {
+  return TAPEHOOK_HAVE_AMX_PATH && NonEmpty(s) && s.stride_h == 1 &&
+         s.stride_w == 1;
+}
+
+bool SupportsBackpropInput(const ConvShape& s) {
+  return SupportsForward(s) && s.pad_top <= (s.k_h - 1) * s.dil_h &&
+         s.pad_left <= (s.k_w - 1) * s.dil_w;
+}
+
+bool SupportsBackpropFilter(const ConvShape& s) { return SupportsForward(s); }
+
+bool Forward(const ConvShape& s, const float* x, const float* w,
+             const float* alpha, float* y, const ParallelFor& parallel_for) {
+  if (!SupportsForward(s) || !Usable()) return false;
+  const int64_t C = s.in_c, O = s.out_c, taps = s.k_h * s.k_w;
+  const Grid grid = InputGrid(s);
+  const Taps tp = TapOffsets(s, grid.wp);
+  const int64_t kp = RoundUp(C, 32);
+  const int64_t q_pairs = (grid.q_end() + 31) / 32;
+  const int64_t rows = q_pairs * 32 + tp.max_off;
+  const int64_t o_pairs = (O + 31) / 32;
+
+  PROF_START;
+  Buffer a(rows * 3 * kp);
+  FillSplitRows(grid, x, nullptr, C, kp, rows, a.p, parallel_for);
+  PROF("fwd split");
+  Buffer b(o_pairs * taps * kp * 32);
+  PackShiftedB(
+      taps, kp, o_pairs,
+      [&](int64_t t, int64_t k, int64_t o) -> uint16_t {
+        if (k >= C || o >= O) return 0;
+        return SignBf16(w[(t * C + k) * O + o]);
+      },
+      b.p, parallel_for);
+
+  PROF("fwd packB");
+  const std::vector<float> scale = PaddedScale(alpha, O);
+  const ShiftedGemm g{a.p,     kp,      tp.off.data(),
+                      taps,    b.p,     o_pairs,
+                      q_pairs, QMajor(o_pairs, taps, kp)};
+  RunShiftedGemm(
+      g,
+      [&](int64_t q0, int64_t o0, const float (*c)[256]) {
+        StoreRows(grid, q0, c, scale.data() + o0, std::min<int64_t>(32, O - o0),
+                  y + o0, O);
+      },
+      parallel_for);
+  PROF("fwd gemm+store");
+  return true;
+}
+
+bool BackpropInput(const ConvShape& s, const float* x, const float* w,
+                   const float* dy, Estimator act_est, double clip,
+                   const float* alpha, float* dx,
+                   const ParallelFor& parallel_for) {
+  if (!SupportsBackpropInput(s) || !Usable()) return false;
+  const int64_t C = s.in_c, O = s.out_c, taps = s.k_h * s.k_w;
+  const int64_t eh = (s.k_h - 1) * s.dil_h, ew = (s.k_w - 1) * s.dil_w;
+  // dx = conv2d(dy padded by (eh - pad_top, ew - pad_left), flipped W^T).
+  Grid grid;
+  grid.batch = s.batch;
+  grid.top = eh - s.pad_top;
+  grid.left = ew - s.pad_left;
+  grid.rows = s.out_h;
+  grid.cols = s.out_w;
+  grid.out_h = s.in_h;
+  grid.out_w = s.in_w;
+  grid.hp = std::max(grid.top + s.out_h, s.in_h + eh);
+  grid.wp = std::max(grid.left + s.out_w, s.in_w + ew);
+  const Taps tp = TapOffsets(s, grid.wp);
+  const int64_t kp = RoundUp(O, 32);
+  const int64_t q_pairs = (grid.q_end() + 31) / 32;
+  const int64_t rows = q_pairs * 32 + tp.max_off;
+  const int64_t c_pairs = (C + 31) / 32;
+
+  const std::vector<float> scale = PaddedScale(alpha, O);
+  Buffer a(rows * 3 * kp);
+  FillSplitRows(grid, dy, alpha ? scale.data() : nullptr, O, kp, rows, a.p,
+                parallel_for);
+  Buffer b(c_pairs * taps * kp * 32);
+  PackShiftedB(
+      taps, kp, c_pairs,
+      [&](int64_t t, int64_t k, int64_t c) -> uint16_t {
+        if (k >= O || c >= C) return 0;
+        return SignBf16(w[((taps - 1 - t) * C + c) * O + k]);
+      },
+      b.p, parallel_for);
+
+  const std::vector<float> ones(32, 1.0f);
+  const ShiftedGemm g{a.p,     kp,      tp.off.data(),
+                      taps,    b.p,     c_pairs,
+                      q_pairs, QMajor(c_pairs, taps, kp)};
+  RunShiftedGemm(
+      g,
+      [&](int64_t q0, int64_t c0, const float (*acc)[256]) {
+        const int64_t c_n = std::min<int64_t>(32, C - c0);
+        StoreRows(grid, q0, acc, ones.data(), c_n, dx + c0, C);
+        if (act_est == Estimator::kNone) return;
+        for (int64_t r = 0; r < 32; ++r) {
+          const int64_t p = grid.OutPixel(q0 + r);
+          if (p < 0) continue;
+          float* out = dx + p * C + c0;
+          const float* xr = x + p * C + c0;
+          if (act_est == Estimator::kSteSign) {
+            const float cl = static_cast<float>(clip);
+            for (int64_t j = 0; j < c_n; ++j) {
+              out[j] = std::abs(xr[j]) <= cl ? out[j] : 0.0f;
+            }
+          } else {
+            for (int64_t j = 0; j < c_n; ++j) {
+              out[j] *= ActGrad(act_est, xr[j], clip);
+            }
+          }
+        }
+      },
+      parallel_for);
+  return true;
+}
+
+bool BackpropFilter(const ConvShape& s, const float* x, const float* w,
+                    const float* dy, Estimator act_est, Estimator w_est,
+                    double clip, const float* alpha, float* dw,
+                    const ParallelFor& parallel_for) {
+  if (!SupportsBackpropFilter(s) || !Usable()) return false;
+#if TAPEHOOK_HAVE_AMX_PATH
+  const int64_t C = s.in_c, O = s.out_c, taps = s.k_h * s.k_w;
+  const bool binary = act_est != Estimator::kNone;
+  const Grid grid = InputGrid(s);
+  const Taps tp = TapOffsets(s, grid.wp);
+  const int64_t q_len = RoundUp(grid.q_end(), 32);
+  const int64_t qa = RoundUp(q_len + tp.max_off, 32);
+  const int64_t c_pad = RoundUp(C, 32), o_pad = RoundUp(O, 32);
+  const int x_n = binary ? 1 : 3;
+
+  PROF_START;
+  // x_hat transposed onto the grid: x_parts[i][c][q].
+  std::vector<std::unique_ptr<Buffer>> xb;
+  std::vector<const uint16_t*> x_parts;
+  for (int i = 0; i < x_n; ++i) {
+    xb.emplace_back(new Buffer(c_pad * qa));
+    x_parts.push_back(xb.back()->p);
+  }
+  // Blocks of 128 grid rows by 32 channels: split row-major into tmp (L1),
+  // then write each channel's run of 128 values.
+  constexpr int64_t kQBlock = 128;
+  const int64_t q_blocks = (qa + kQBlock - 1) / kQBlock;
+  parallel_for(q_blocks * (c_pad / 32), kQBlock * 32 * 8,
+               [&](int64_t v0, int64_t v1) {
+    std::vector<uint16_t> tmp(kQBlock * 96);
+    for (int64_t v = v0; v < v1; ++v) {
+      const int64_t q0 = v / (c_pad / 32) * kQBlock, c0 = v % (c_pad / 32) * 32;
+      const int64_t nq = std::min(kQBlock, qa - q0);
+      const int64_t nc = std::max<int64_t>(0, std::min<int64_t>(32, C - c0));
+      for (int64_t i = 0; i < nq; ++i) {
+        uint16_t* row = &tmp[i * 96];
+        const int64_t p = grid.DataPixel(q0 + i);
+        if (p < 0 || nc == 0) {
+          std::fill(row, row + 96, uint16_t{0});
+        } else if (binary) {
+          const float* xr = x + p * C + c0;
+          for (int64_t c = 0; c < 32; ++c) row[c] = c < nc ? SignBf16(xr[c]) : 0;
+        } else {
+          SplitRow(x + p * C + c0, nullptr, nc, 32, row);
+        }
+      }
+      for (int i = 0; i < x_n; ++i) {
+        for (int64_t c = 0; c < 32; ++c) {
+          uint16_t* dst = xb[i]->p + (c0 + c) * qa + q0;
+          const uint16_t* src = &tmp[i * 32 + c];
+          for (int64_t j = 0; j < nq; ++j) dst[j] = src[j * 96];
+        }
+      }
+    }
+  });
+
+  PROF("bpf x");
+  // dy on the grid, split, pair-interleaved: d_parts[i][q / 2][o][q % 2].
+  std::vector<std::unique_ptr<Buffer>> db;
+  std::vector<const uint16_t*> d_parts;
+  for (int i = 0; i < 3; ++i) {
+    db.emplace_back(new Buffer(q_len * o_pad));
+    d_parts.push_back(db.back()->p);
+  }
+  uint16_t* d_out[3] = {db[0]->p, db[1]->p, db[2]->p};
+  parallel_for(q_len / 2, 2 * o_pad, [&](int64_t p0, int64_t p1) {
+    for (int64_t pr = p0; pr < p1; ++pr) {
+      const int64_t a = grid.OutPixel(2 * pr), b = grid.OutPixel(2 * pr + 1);
+      InterleaveSplitPair(a < 0 ? nullptr : dy + a * O,
+                          b < 0 ? nullptr : dy + b * O, O, o_pad,
+                          pr * o_pad * 2, d_out);
+    }
+  });
+
+  PROF("bpf dy");
+  static const int kBinX[] = {0, 0, 0}, kBinD[] = {0, 1, 2};
+  static const int kFloatX[] = {0, 0, 0, 1, 1, 2}, kFloatD[] = {0, 1, 2, 0, 1, 0};
+  const int64_t c_pairs = c_pad / 32, o_pairs = o_pad / 32;
+  const int64_t units = taps * c_pairs * o_pairs;
+  // K block: the x and dy columns one block reads stay in L2 (~1 MiB).
+  const int64_t bytes_per_q = (x_n * c_pad + 3 * o_pad) * 2;
+  const int64_t kblock = std::min(
+      q_len, std::max<int64_t>(32, (int64_t{1} << 20) / bytes_per_q / 32 * 32));
+  Buffer acc_buf(units * 1024 * 2);  // fp32 accumulators, [units][4][256]
+  float* acc = reinterpret_cast<float*>(acc_buf.p);
+  FilterGemm g{x_parts.data(), qa, d_parts.data(), o_pad, q_len, kblock,
+               tp.off.data(), c_pairs, o_pairs,
+               binary ? kBinX : kFloatX, binary ? kBinD : kFloatD,
+               binary ? 3 : 6, acc};
+  parallel_for(units, q_len * 32 * 32 * g.n_pairs / 8,
+               [&](int64_t u0, int64_t u1) { FilterGemmUnits(g, u0, u1); });
+
+  PROF("bpf gemm");
+  const std::vector<float> scale = PaddedScale(alpha, O);
+  const float clip_f = static_cast<float>(clip);
+  parallel_for(units, 1024, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t t = u / (c_pairs * o_pairs), rem = u % (c_pairs * o_pairs);
+      const int64_t c0 = rem / o_pairs * 32, o0 = rem % o_pairs * 32;
+      const float* a = acc + u * 1024;
+      for (int64_t r = 0; r < 32 && c0 + r < C; ++r) {
+        for (int64_t half = 0; half < 2; ++half) {
+          const int64_t o = o0 + half * 16;
+          const int64_t n = std::min<int64_t>(16, O - o);
+          if (n <= 0) break;
+          const float* src = a + ((r / 16) * 2 + half) * 256 + (r % 16) * 16;
+          const int64_t i = (t * C + c0 + r) * O + o;
+          const float* sc = scale.data() + o;
+          float* dst = dw + i;
+          const float* wr = w + i;
+          if (w_est == Estimator::kNone) {
+            for (int64_t k = 0; k < n; ++k) dst[k] = src[k] * sc[k];
+          } else if (w_est == Estimator::kSteSign) {
+            for (int64_t k = 0; k < n; ++k) {
+              dst[k] = std::abs(wr[k]) <= clip_f ? src[k] * sc[k] : 0.0f;
+            }
+          } else {
+            for (int64_t k = 0; k < n; ++k) {
+              dst[k] = src[k] * sc[k] * ActGrad(w_est, wr[k], clip);
+            }
+          }
+        }
+      }
+    }
+  });
+  PROF("bpf store");
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace amx
+}  // namespace tapehook

@@ -1,0 +1,64 @@
+// Float-operand binary conv kernels on Intel AMX (bf16 tiles), exact to fp32.
+//
+// Every product in these convolutions has one operand that is exactly +1, -1
+// or 0 (sign(W), or sign(x) in a fully binary backprop-filter), which bf16
+// holds exactly. The other operand v is a float, split into three bf16 parts
+// v = hi + mid + lo by truncation: hi keeps the top 8 bits of the 24-bit
+// significand, mid the next 8, lo the last 8, and the sum is exact (outside
+// the subnormal range, which AMX flushes). So hi*s + mid*s + lo*s == v*s
+// exactly, and each AMX dot product accumulates exact products in fp32, just
+// as an fp32 GEMM does. The three parts are three K-slices of one GEMM; AMX's
+// bf16 rate (~16x the AVX-512 fp32 FMA rate per core) pays for them.
+//
+// When both operands are floats (backprop-filter of a weight-only conv), the
+// products hi_x*hi_d + hi_x*mid_d + mid_x*hi_d + hi_x*lo_d + lo_x*hi_d +
+// mid_x*mid_d are kept: the dropped terms are below 2^-24 of |x*d|, the
+// size of one fp32 rounding.
+//
+// Scope: float32, stride 1 (any dilation and padding; backprop-input needs
+// pad_top <= (k_h - 1) * dil_h and likewise for the width, true for SAME and
+// VALID). Each entry point returns false without writing anything when AMX is
+// not usable or the shape is outside that scope; the caller then runs the
+// portable / AVX2 kernels.
+#ifndef TAPEHOOK_CORE_AMX_CONV_H_
+#define TAPEHOOK_CORE_AMX_CONV_H_
+
+#include "binary_conv.h"
+
+namespace tapehook {
+namespace amx {
+
+// True when the CPU has AMX-TILE, AMX-BF16 and AVX-512, Linux granted this
+// process the AMX tile state, and neither TAPEHOOK_NO_AMX nor
+// TAPEHOOK_NO_AVX2 is set to something other than "0" (read on each call,
+// so a test can flip them).
+bool Usable();
+
+// Whether the AMX kernels take this geometry (ignores Usable()).
+bool SupportsForward(const ConvShape& s);
+bool SupportsBackpropInput(const ConvShape& s);
+bool SupportsBackpropFilter(const ConvShape& s);
+
+// alpha[out_c] is the per-output-channel scale (all 1 for Scale::kNone).
+
+// y = conv2d(x, alpha * sign(W)) with a float input.
+bool Forward(const ConvShape& s, const float* x, const float* w,
+             const float* alpha, float* y, const ParallelFor& parallel_for);
+
+// dx = conv2d_backprop_input(alpha * sign(W), dy) [* e'(x) when act_est].
+bool BackpropInput(const ConvShape& s, const float* x, const float* w,
+                   const float* dy, Estimator act_est, double clip,
+                   const float* alpha, float* dx,
+                   const ParallelFor& parallel_for);
+
+// dw = conv2d_backprop_filter(x_hat, dy) * alpha * e'(W); x_hat = sign(x)
+// when act_est != kNone, else x.
+bool BackpropFilter(const ConvShape& s, const float* x, const float* w,
+                    const float* dy, Estimator act_est, Estimator w_est,
+                    double clip, const float* alpha, float* dw,
+                    const ParallelFor& parallel_for);
+
+}  // namespace amx
+}  // namespace tapehook
+
+#endif  // TAPEHOOK_CORE_AMX_CONV_H_
