@@ -113,7 +113,7 @@ def binary_conv2d(x, w, spec: BinarySpec, attrs: dict, name=None):
             _warn_xla_once()
             library = None
         if library is None or dispatch.forward_path(
-                spec, attrs, x.dtype.name) == dispatch.STOCK:
+                spec, attrs, x.dtype.name, x.shape, w.shape) == dispatch.STOCK:
             _count_reference(forward=1)
             return reference.binary_conv2d(
                 x, w, spec, attrs["strides"], attrs["padding"],
@@ -217,7 +217,7 @@ def _binary_backward(x, w, dy, spec, attrs, skip):
         dw = None if 1 in skip else _binary_backward(
             x_hat, w, dy, spec, attrs, skip + (0,))[1]
         return (None if dx is None else dx * mask), dw
-    if dispatch.backprop_path(attrs, dy.dtype.name) == dispatch.STOCK:
+    if dispatch.backprop_path(attrs, dy.dtype.name, x.shape, w.shape) == dispatch.STOCK:
         _count_reference(backprop_input=int(0 not in skip), backprop_filter=int(1 not in skip))
         return reference.binary_conv2d_backward(
             x, w, dy, spec, attrs["strides"], attrs["padding"], attrs["explicit_paddings"],

@@ -12,8 +12,10 @@ TF with oneDNN on and off (README, "Speed"):
   faster than stock on every measured shape;
 - convolutions with a float operand (the weight-only forward, both
   backprops) on a CPU with Intel AMX (``kernels.amx_usable()``), stride 1,
-  float32 / float16 / bfloat16 and SAME or VALID padding: tapehook's kernels,
-  which run them as exact bf16x3 AMX GEMMs (cc_kernels/core/amx_conv.h);
+  float32 / float16 / bfloat16, SAME or VALID padding, at least
+  AMX_MIN_TAPS kernel taps and AMX_MIN_PIXELS input pixels (batch x H x W):
+  tapehook's kernels, which run them as exact bf16x3 AMX GEMMs
+  (cc_kernels/core/amx_conv.h);
 - otherwise, forward with float activations: stock Conv2D on sign(W), then
   alpha; our AVX2 float kernels reached 0.5-0.8x of TF's AVX-512/oneDNN
   convolutions;
@@ -38,32 +40,48 @@ def policy() -> str:
     return value
 
 
-def _amx_fits(attrs, dtype) -> bool:
-    """Whether the AMX kernels take this conv (mirrors amx::Supports*)."""
+# The AMX kernels split their float operand and pack sign(W) before the GEMM;
+# below these sizes that preparation outweighs the GEMM and stock convs win
+# (bench: 1x1 convs 0.7-0.9x, batch-1 14x14 0.7-1.0x).
+AMX_MIN_TAPS = 4
+AMX_MIN_PIXELS = 512
+
+
+def _amx_fits(attrs, dtype, x_shape=None, w_shape=None) -> bool:
+    """Whether the AMX kernels take this conv (mirrors amx::Supports*) and it
+    is big enough for them to beat stock. Unknown dims count as large."""
     from tapehook import kernels  # kernels imports TF; keep this module light
 
-    return (attrs is not None and dtype is not None
-            and all(s == 1 for s in attrs["strides"])
+    if attrs is None or dtype is None:
+        return False
+    if x_shape is not None and len(x_shape) == 4 and None not in tuple(x_shape[:3]):
+        if int(x_shape[0]) * int(x_shape[1]) * int(x_shape[2]) < AMX_MIN_PIXELS:
+            return False
+    if w_shape is not None and len(w_shape) == 4 and None not in tuple(w_shape[:2]):
+        if int(w_shape[0]) * int(w_shape[1]) < AMX_MIN_TAPS:
+            return False
+    return (all(s == 1 for s in attrs["strides"])
             and attrs["padding"] in ("SAME", "VALID")
             and dtype in ("float32", "float16", "bfloat16")
             and kernels.amx_usable())
 
 
-def forward_path(spec, attrs=None, dtype=None) -> str:
+def forward_path(spec, attrs=None, dtype=None, x_shape=None, w_shape=None) -> str:
     """attrs: the conv's attrs (strides, padding, dilations, ...); dtype: the
-    input's dtype name."""
+    input's dtype name; x_shape / w_shape: static shapes (NHWC, HWIO)."""
     chosen = policy()
     if chosen != "auto":
         return chosen
-    if spec.activation_estimator or _amx_fits(attrs, dtype):
+    if spec.activation_estimator or _amx_fits(attrs, dtype, x_shape, w_shape):
         return KERNELS
     return STOCK
 
 
-def backprop_path(attrs, dtype=None) -> str:
+def backprop_path(attrs, dtype=None, x_shape=None, w_shape=None) -> str:
     chosen = policy()
     if chosen != "auto":
         return chosen
-    if any(d != 1 for d in attrs["dilations"]) or _amx_fits(attrs, dtype):
+    if any(d != 1 for d in attrs["dilations"]) or _amx_fits(attrs, dtype, x_shape,
+                                                             w_shape):
         return KERNELS
     return STOCK

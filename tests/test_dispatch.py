@@ -35,8 +35,9 @@ def test_auto_routes_and_matches_reference(monkeypatch, mode, activations, dilat
         monkeypatch.setenv("TAPEHOOK_NO_AMX", "1")
     compiled, reference = with_amx if amx else without_amx
     spec = tapehook.BinarySpec(activations=activations, scale="mean_abs")
-    x, w0 = random_inputs((2, 7, 7, 3), (3, 3, 3, 4))
-    out = 7 if stride == 1 else 4
+    # 2 x 16 x 16 = AMX_MIN_PIXELS: big enough for the AMX route
+    x, w0 = random_inputs((2, 16, 16, 3), (3, 3, 3, 4))
+    out = 16 if stride == 1 else 8
     g = upstream((2, out, out, 4), tf.float32)
     conv = dict(padding="SAME", dilations=dilation, strides=stride)
     y, dx, dw = MODES[mode](x, w0, g, conv,
@@ -49,6 +50,26 @@ def test_auto_routes_and_matches_reference(monkeypatch, mode, activations, dilat
     assert_close(dw, rdw, what="dW")
     counts = tapehook.dispatch_counts()
     assert counts["compiled"] == compiled and counts["reference"] == reference
+
+
+@pytest.mark.parametrize("x_shape,w_shape", [
+    ((2, 16, 16, 3), (1, 1, 3, 4)),    # 1x1: fewer taps than AMX_MIN_TAPS
+    ((1, 15, 15, 3), (3, 3, 3, 4)),    # fewer pixels than AMX_MIN_PIXELS
+])
+def test_auto_keeps_small_float_convs_on_stock(monkeypatch, x_shape, w_shape):
+    monkeypatch.setenv("TAPEHOOK_DISPATCH", "auto")
+    if not tapehook.kernel_info()["cpu"].get("amx"):
+        pytest.skip("this CPU (or build) has no AMX kernels")
+    x, w0 = random_inputs(x_shape, w_shape)
+    g = upstream(x_shape[:3] + w_shape[3:], tf.float32)
+    y, dx, dw = MODES["eager"](x, w0, g, dict(padding="SAME"),
+                               lambda w: tapehook.mark_binary(w, scale="mean_abs"))
+    ry, rdx, rdw = reference_result(x, w0, tapehook.BinarySpec(scale="mean_abs"), g)
+    assert_close(y, ry, what="forward")
+    assert_close(dx, rdx, what="dX")
+    assert_close(dw, rdw, what="dW")
+    counts = tapehook.dispatch_counts()
+    assert counts["compiled"] == NONE and counts["reference"] == ONE
 
 
 def test_stock_policy_and_bad_policy(monkeypatch):

@@ -24,6 +24,10 @@
 #include <utility>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #if defined(__x86_64__) && defined(__linux__) &&                     \
     ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) || \
      (defined(__clang__) && __clang_major__ >= 12))
@@ -214,6 +218,37 @@ void SplitRow(const float* v, const float* scale, int64_t n, int64_t kp,
   SplitRowPortable(v, scale, n, kp, out);
 }
 
+// out[0, 32) = bf16 sign of v[c] for c < n (n <= 32), then zeros.
+void SignRowPortable(const float* v, int64_t n, uint16_t* out) {
+  for (int64_t c = 0; c < 32; ++c) out[c] = c < n ? SignBf16(v[c]) : 0;
+}
+
+#if TAPEHOOK_HAVE_AMX_PATH
+TAPEHOOK_AMX void SignRow512(const float* v, int64_t n, uint16_t* out) {
+  const __m512i one = _mm512_set1_epi16(static_cast<short>(kOne));
+  const __m512i minus_one = _mm512_set1_epi16(static_cast<short>(kMinusOne));
+  uint32_t ge = 0;  // bit c: v[c] >= 0
+  for (int64_t h = 0; h < 2; ++h) {
+    const int64_t left = std::max<int64_t>(0, std::min<int64_t>(16, n - 16 * h));
+    const __mmask16 m = static_cast<__mmask16>((uint32_t{1} << left) - 1);
+    const __m512 t = _mm512_maskz_loadu_ps(m, v + 16 * h);
+    ge |= uint32_t{_mm512_mask_cmp_ps_mask(m, t, _mm512_setzero_ps(),
+                                           _CMP_GE_OQ)} << (16 * h);
+  }
+  const __mmask32 valid = static_cast<__mmask32>(
+      n >= 32 ? 0xFFFFFFFFu : (uint32_t{1} << n) - 1);
+  const __m512i signs = _mm512_mask_blend_epi16(ge, minus_one, one);
+  _mm512_storeu_si512(out, _mm512_maskz_mov_epi16(valid, signs));
+}
+#endif
+
+void SignRow(const float* v, int64_t n, uint16_t* out) {
+#if TAPEHOOK_HAVE_AMX_PATH
+  return SignRow512(v, n, out);
+#endif
+  SignRowPortable(v, n, out);
+}
+
 // out[i][base + 2 o + e] = part i of row e's value o (rows may be null:
 // zeros), for o < n_pad; values past n are zero.
 void InterleaveSplitPairPortable(const float* r0, const float* r1, int64_t n,
@@ -272,6 +307,38 @@ void InterleaveSplitPair(const float* r0, const float* r1, int64_t n,
   InterleaveSplitPairPortable(r0, r1, n, n_pad, base, out);
 }
 
+
+// dst[c * ld_dst + r] = src[r * ld_src + c] for an 8 x 8 block of 16-bit
+// values: three rounds of interleaves (SSE2, the x86-64 baseline).
+inline void Transpose8x8(const uint16_t* src, int64_t ld_src, uint16_t* dst,
+                         int64_t ld_dst) {
+#if defined(__SSE2__)
+  __m128i r[8], a[8], b[8];
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * ld_src));
+  }
+  for (int i = 0; i < 4; ++i) {  // a[2i]: rows 2i, 2i+1 of columns 0-3
+    a[2 * i] = _mm_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // b[4h + j]: rows 4h..4h+3, columns 2j, 2j+1
+    b[4 * h + 0] = _mm_unpacklo_epi32(a[4 * h], a[4 * h + 2]);
+    b[4 * h + 1] = _mm_unpackhi_epi32(a[4 * h], a[4 * h + 2]);
+    b[4 * h + 2] = _mm_unpacklo_epi32(a[4 * h + 1], a[4 * h + 3]);
+    b[4 * h + 3] = _mm_unpackhi_epi32(a[4 * h + 1], a[4 * h + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (2 * j) * ld_dst),
+                     _mm_unpacklo_epi64(b[j], b[4 + j]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + (2 * j + 1) * ld_dst),
+                     _mm_unpackhi_epi64(b[j], b[4 + j]));
+  }
+#else
+  for (int c = 0; c < 8; ++c) {
+    for (int r = 0; r < 8; ++r) dst[c * ld_dst + r] = src[r * ld_src + c];
+  }
+#endif
+}
 
 inline float ActGrad(Estimator e, float x, double clip) {
   if (e == Estimator::kNone) return 1.0f;
@@ -502,61 +569,63 @@ struct FilterGemm {
   const uint16_t* const* d_parts;  // [q_len / 2][o_pad][2] each
   int64_t o_pad, q_len, kblock;
   const int64_t* off;
-  int64_t c_pairs, o_pairs;
-  // products kept: x part pairs[i].first times d part pairs[i].second,
-  // grouped by x part.
+  int64_t taps, c_pairs, o_pairs;
+  // Products kept: x part x_of[i] times dy part d_of[i], grouped by x part.
   const int* x_of;
   const int* d_of;
   int n_pairs;
-  float* acc;  // [units][4][256]
+  // Partial sums, [k block][tap][c pair][o pair][4][256] (fp32).
+  float* partial;
 };
 
 #if TAPEHOOK_HAVE_AMX_PATH
-TAPEHOOK_AMX void FilterGemmUnits(const FilterGemm& g, int64_t u0,
-                                  int64_t u1) {
+// Items [i0, i1): item i is (k block i / o_pairs, o pair i % o_pairs). An
+// item reads one block of columns of x (all channels) and dy (32 channels),
+// about 1 MiB that stays in L2 while it runs every tap and c pair over it,
+// so items can be sharded any way without re-reading memory.
+TAPEHOOK_AMX void FilterGemmItems(const FilterGemm& g, int64_t i0,
+                                  int64_t i1) {
   ConfigureTiles();
   const int64_t lda = g.qa * 2, ldb = g.o_pad * 4;
-  const int64_t per_tap = g.c_pairs * g.o_pairs;
-  for (int64_t k0 = 0; k0 < g.q_len; k0 += g.kblock) {
-    const int64_t k1 = std::min(g.q_len, k0 + g.kblock);
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t t = u / per_tap, rem = u % per_tap;
-      const int64_t c0 = rem / g.o_pairs * 32, o0 = rem % g.o_pairs * 32;
-      float* acc = g.acc + u * 1024;
-      if (k0 == 0) {
+  const int64_t units = g.taps * g.c_pairs * g.o_pairs;
+  for (int64_t item = i0; item < i1; ++item) {
+    const int64_t kb = item / g.o_pairs, op = item % g.o_pairs;
+    const int64_t k0 = kb * g.kblock, k1 = std::min(g.q_len, k0 + g.kblock);
+    const int64_t o0 = op * 32;
+    for (int64_t t = 0; t < g.taps; ++t) {
+      for (int64_t cp = 0; cp < g.c_pairs; ++cp) {
+        const int64_t c0 = cp * 32;
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-      } else {
-        _tile_loadd(0, acc, 64);
-        _tile_loadd(1, acc + 256, 64);
-        _tile_loadd(2, acc + 512, 64);
-        _tile_loadd(3, acc + 768, 64);
-      }
-      for (int64_t q0 = k0; q0 < k1; q0 += 32) {
-        int last_x = -1;
-        for (int i = 0; i < g.n_pairs; ++i) {
-          if (g.x_of[i] != last_x) {
-            last_x = g.x_of[i];
-            const uint16_t* xa = g.x_parts[last_x] + c0 * g.qa + q0 + g.off[t];
-            _tile_loadd(4, xa, lda);
-            _tile_loadd(5, xa + 16 * g.qa, lda);
+        for (int64_t q0 = k0; q0 < k1; q0 += 32) {
+          int last_x = -1;
+          for (int i = 0; i < g.n_pairs; ++i) {
+            if (g.x_of[i] != last_x) {
+              last_x = g.x_of[i];
+              const uint16_t* xa =
+                  g.x_parts[last_x] + c0 * g.qa + q0 + g.off[t];
+              _tile_loadd(4, xa, lda);
+              _tile_loadd(5, xa + 16 * g.qa, lda);
+            }
+            const uint16_t* db =
+                g.d_parts[g.d_of[i]] + q0 / 2 * g.o_pad * 2 + o0 * 2;
+            _tile_loadd(6, db, ldb);
+            _tile_loadd(7, db + 32, ldb);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
           }
-          const uint16_t* db = g.d_parts[g.d_of[i]] + q0 / 2 * g.o_pad * 2 +
-                               o0 * 2;
-          _tile_loadd(6, db, ldb);
-          _tile_loadd(7, db + 32, ldb);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
         }
+        float* out = g.partial +
+                     (kb * units + (t * g.c_pairs + cp) * g.o_pairs + op) * 1024;
+        _tile_stored(0, out, 64);
+        _tile_stored(1, out + 256, 64);
+        _tile_stored(2, out + 512, 64);
+        _tile_stored(3, out + 768, 64);
       }
-      _tile_stored(0, acc, 64);
-      _tile_stored(1, acc + 256, 64);
-      _tile_stored(2, acc + 512, 64);
-      _tile_stored(3, acc + 768, 64);
     }
   }
   _tile_release();
@@ -755,17 +824,17 @@ bool BackpropFilter(const ConvShape& s, const float* x, const float* w,
         if (p < 0 || nc == 0) {
           std::fill(row, row + 96, uint16_t{0});
         } else if (binary) {
-          const float* xr = x + p * C + c0;
-          for (int64_t c = 0; c < 32; ++c) row[c] = c < nc ? SignBf16(xr[c]) : 0;
+          SignRow(x + p * C + c0, nc, row);
         } else {
           SplitRow(x + p * C + c0, nullptr, nc, 32, row);
         }
       }
-      for (int i = 0; i < x_n; ++i) {
-        for (int64_t c = 0; c < 32; ++c) {
-          uint16_t* dst = xb[i]->p + (c0 + c) * qa + q0;
-          const uint16_t* src = &tmp[i * 32 + c];
-          for (int64_t j = 0; j < nq; ++j) dst[j] = src[j * 96];
+      for (int i = 0; i < x_n; ++i) {  // nq is a multiple of 32
+        for (int64_t c8 = 0; c8 < 32; c8 += 8) {
+          for (int64_t q8 = 0; q8 < nq; q8 += 8) {
+            Transpose8x8(&tmp[q8 * 96 + i * 32 + c8], 96,
+                         xb[i]->p + (c0 + c8) * qa + q0 + q8, qa);
+          }
         }
       }
     }
@@ -794,18 +863,20 @@ bool BackpropFilter(const ConvShape& s, const float* x, const float* w,
   static const int kFloatX[] = {0, 0, 0, 1, 1, 2}, kFloatD[] = {0, 1, 2, 0, 1, 0};
   const int64_t c_pairs = c_pad / 32, o_pairs = o_pad / 32;
   const int64_t units = taps * c_pairs * o_pairs;
-  // K block: the x and dy columns one block reads stay in L2 (~1 MiB).
-  const int64_t bytes_per_q = (x_n * c_pad + 3 * o_pad) * 2;
+  // K block: one item's columns of x (all channels) and dy (one o pair)
+  // fill about 1 MiB of L2.
+  const int64_t bytes_per_q = (x_n * c_pad + 3 * 32) * 2;
   const int64_t kblock = std::min(
       q_len, std::max<int64_t>(32, (int64_t{1} << 20) / bytes_per_q / 32 * 32));
-  Buffer acc_buf(units * 1024 * 2);  // fp32 accumulators, [units][4][256]
-  float* acc = reinterpret_cast<float*>(acc_buf.p);
-  FilterGemm g{x_parts.data(), qa, d_parts.data(), o_pad, q_len, kblock,
-               tp.off.data(), c_pairs, o_pairs,
-               binary ? kBinX : kFloatX, binary ? kBinD : kFloatD,
-               binary ? 3 : 6, acc};
-  parallel_for(units, q_len * 32 * 32 * g.n_pairs / 8,
-               [&](int64_t u0, int64_t u1) { FilterGemmUnits(g, u0, u1); });
+  const int64_t k_blocks = (q_len + kblock - 1) / kblock;
+  Buffer partial_buf(k_blocks * units * 1024 * 2);
+  float* partial = reinterpret_cast<float*>(partial_buf.p);
+  FilterGemm g{x_parts.data(), qa,      d_parts.data(), o_pad,
+               q_len,          kblock,  tp.off.data(),  taps,
+               c_pairs,        o_pairs, binary ? kBinX : kFloatX,
+               binary ? kBinD : kFloatD, binary ? 3 : 6, partial};
+  parallel_for(k_blocks * o_pairs, kblock * 32 * c_pad * taps * g.n_pairs / 8,
+               [&](int64_t i0, int64_t i1) { FilterGemmItems(g, i0, i1); });
 
   PROF("bpf gemm");
   const std::vector<float> scale = PaddedScale(alpha, O);
@@ -814,7 +885,13 @@ bool BackpropFilter(const ConvShape& s, const float* x, const float* w,
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t t = u / (c_pairs * o_pairs), rem = u % (c_pairs * o_pairs);
       const int64_t c0 = rem / o_pairs * 32, o0 = rem % o_pairs * 32;
-      const float* a = acc + u * 1024;
+      // Sum the k blocks' partial sums of this unit.
+      float a[1024];
+      std::copy_n(partial + u * 1024, 1024, a);
+      for (int64_t kb = 1; kb < k_blocks; ++kb) {
+        const float* src = partial + (kb * units + u) * 1024;
+        for (int i = 0; i < 1024; ++i) a[i] += src[i];
+      }
       for (int64_t r = 0; r < 32 && c0 + r < C; ++r) {
         for (int64_t half = 0; half < 2; ++half) {
           const int64_t o = o0 + half * 16;
