@@ -12,8 +12,8 @@
 //
 // When both operands are floats (backprop-filter of a weight-only conv), the
 // products hi_x*hi_d + hi_x*mid_d + mid_x*hi_d + hi_x*lo_d + lo_x*hi_d +
-// mid_x*mid_d are kept: the dropped terms are below 2^-24 of |x*d|, the
-// size of one fp32 rounding.
+// mid_x*mid_d are kept: the dropped ones (mid*lo, lo*mid, lo*lo) add up to
+// less than 2^-23 of |x*d|, about one fp32 rounding.
 //
 // Scope: float32, stride 1 (any dilation and padding; backprop-input needs
 // pad_top <= (k_h - 1) * dil_h and likewise for the width, true for SAME and

@@ -1,0 +1,173 @@
+// Standalone test of the AMX kernels' exactness (cc_kernels/core/amx_conv.h),
+// no TensorFlow. test_binary_conv.cc checks every kernel against naive loops
+// within a tolerance; this checks the claim that makes the AMX path exact:
+// splitting a float into three bf16 parts loses nothing. A single-product
+// convolution (1x1, one input channel or one pixel) must then give the same
+// bits as the fp32 product, for floats that use all 24 significand bits and
+// a wide range of exponents. A two-part split would be off by up to 2^-16.
+//
+//   g++ -std=c++17 -O2 -I. tests/cc/test_amx_conv.cc cc_kernels/core/*.cc
+//       -lpthread -o /tmp/t && /tmp/t
+//
+// Prints "amx: skipped" on CPUs without AMX.
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "cc_kernels/core/amx_conv.h"
+#include "cc_kernels/core/binary_conv.h"
+
+namespace {
+
+using tapehook::ConvShape;
+using tapehook::Estimator;
+
+int g_failures = 0;
+
+void Check(bool ok, const char* what) {
+  if (!ok) {
+    ++g_failures;
+    std::printf("  FAILED: %s\n", what);
+  }
+}
+
+const tapehook::ParallelFor kSerial =
+    [](int64_t total, int64_t, const std::function<void(int64_t, int64_t)>& fn) {
+      fn(0, total);
+    };
+
+// Floats with all 24 significand bits random, exponents in [-40, 40], both
+// signs, and a few zeros and negative zeros.
+std::vector<float> FullMantissa(std::mt19937_64& rng, size_t n) {
+  std::uniform_int_distribution<uint32_t> mant(0, (1u << 23) - 1);
+  std::uniform_int_distribution<int> expo(-40, 40), coin(0, 19);
+  std::vector<float> v(n);
+  for (float& t : v) {
+    const int c = coin(rng);
+    if (c == 0) {
+      t = 0.0f;
+    } else if (c == 1) {
+      t = -0.0f;
+    } else {
+      const uint32_t bits = (static_cast<uint32_t>(127 + expo(rng)) << 23) |
+                            mant(rng) | (c % 2 ? 0x80000000u : 0u);
+      std::memcpy(&t, &bits, 4);
+    }
+  }
+  return v;
+}
+
+float SignOf(float t) { return t >= 0 ? 1.0f : -1.0f; }
+
+bool SameBits(float a, float b) { return std::memcmp(&a, &b, 4) == 0 || a == b; }
+
+ConvShape Shape1x1(int64_t batch, int64_t h, int64_t w, int64_t c, int64_t o) {
+  ConvShape s;
+  s.batch = batch, s.in_h = h, s.in_w = w, s.in_c = c;
+  s.k_h = 1, s.k_w = 1, s.out_c = o;
+  tapehook::ComputeConvGeometry(tapehook::Padding::kValid, 0, 0, 0, 0, &s);
+  return s;
+}
+
+// y[p, o] = x[p] * alpha[o] * sign(w[o]): one product per output.
+void TestForwardSingleProduct(std::mt19937_64& rng) {
+  const ConvShape s = Shape1x1(2, 5, 7, 1, 37);
+  const std::vector<float> x = FullMantissa(rng, 2 * 5 * 7);
+  const std::vector<float> w = FullMantissa(rng, 37);
+  std::vector<float> alpha(37);
+  for (int o = 0; o < 37; ++o) alpha[o] = std::abs(w[o]) + 0.5f;
+  const float* scales[] = {nullptr, alpha.data()};
+  for (const float* a : scales) {
+    std::vector<float> y(2 * 5 * 7 * 37, -7.0f);
+    Check(tapehook::amx::Forward(s, x.data(), w.data(), a, y.data(), kSerial),
+          "amx::Forward took the 1x1 conv");
+    int bad = 0;
+    for (size_t p = 0; p < x.size(); ++p) {
+      for (int o = 0; o < 37; ++o) {
+        const float want = x[p] * SignOf(w[o]) * (a ? a[o] : 1.0f);
+        bad += !SameBits(y[p * 37 + o], want);
+      }
+    }
+    Check(bad == 0, a ? "forward x * alpha * sign(w) exact"
+                      : "forward x * sign(w) exact");
+  }
+}
+
+// dx[p, c] = dy[p] * alpha * sign(w[c]) [* 1{|x| <= 1}].
+void TestBackpropInputSingleProduct(std::mt19937_64& rng) {
+  const ConvShape s = Shape1x1(2, 6, 5, 41, 1);
+  const std::vector<float> x = FullMantissa(rng, 2 * 6 * 5 * 41);
+  const std::vector<float> w = FullMantissa(rng, 41);
+  const std::vector<float> dy = FullMantissa(rng, 2 * 6 * 5);
+  const float alpha = 0.8125f + std::abs(w[0]);
+  for (Estimator est : {Estimator::kNone, Estimator::kSteSign}) {
+    std::vector<float> dx(x.size(), -7.0f);
+    Check(tapehook::amx::BackpropInput(s, x.data(), w.data(), dy.data(), est,
+                                       1.0, &alpha, dx.data(), kSerial),
+          "amx::BackpropInput took the 1x1 conv");
+    int bad = 0;
+    for (size_t p = 0; p < dy.size(); ++p) {
+      for (int c = 0; c < 41; ++c) {
+        const float mask =
+            est == Estimator::kNone || std::abs(x[p * 41 + c]) <= 1.0f ? 1.f : 0.f;
+        const float want = dy[p] * (alpha * SignOf(w[c])) * mask;
+        bad += !SameBits(dx[p * 41 + c], want);
+      }
+    }
+    Check(bad == 0, est == Estimator::kNone ? "backprop-input exact"
+                                            : "backprop-input with mask exact");
+  }
+}
+
+// One pixel: dw[c, o] = x_hat[c] * dy[o] * alpha[o].
+void TestBackpropFilterSinglePixel(std::mt19937_64& rng) {
+  const ConvShape s = Shape1x1(1, 1, 1, 45, 29);
+  const std::vector<float> x = FullMantissa(rng, 45);
+  const std::vector<float> w = FullMantissa(rng, 45 * 29);
+  const std::vector<float> dy = FullMantissa(rng, 29);
+  std::vector<float> alpha(29);
+  for (int o = 0; o < 29; ++o) alpha[o] = 0.25f + o / 64.0f;
+  for (bool binary : {true, false}) {
+    std::vector<float> dw(w.size(), -7.0f);
+    Check(tapehook::amx::BackpropFilter(
+              s, x.data(), w.data(), dy.data(),
+              binary ? Estimator::kSteSign : Estimator::kNone, Estimator::kNone,
+              1.0, alpha.data(), dw.data(), kSerial),
+          "amx::BackpropFilter took the one-pixel conv");
+    int bad = 0;
+    for (int c = 0; c < 45; ++c) {
+      for (int o = 0; o < 29; ++o) {
+        const float got = dw[c * 29 + o];
+        if (binary) {  // sign * dy is exact: the result is bitwise
+          bad += !SameBits(got, (SignOf(x[c]) * dy[o]) * alpha[o]);
+        } else {  // six of nine part products: within ~2^-22 relative
+          const double want = double(x[c]) * dy[o] * alpha[o];
+          bad += std::abs(got - want) > std::ldexp(std::abs(want), -21);
+        }
+      }
+    }
+    Check(bad == 0, binary ? "backprop-filter sign(x) * dy exact"
+                           : "backprop-filter x * dy within 2^-21");
+  }
+}
+
+}  // namespace
+
+int main() {
+  if (!tapehook::amx::Usable()) {
+    std::printf("amx: skipped (no AMX on this CPU or TAPEHOOK_NO_AMX set)\n");
+    return 0;
+  }
+  std::mt19937_64 rng(20261130);
+  for (int round = 0; round < 20; ++round) {
+    TestForwardSingleProduct(rng);
+    TestBackpropInputSingleProduct(rng);
+    TestBackpropFilterSinglePixel(rng);
+  }
+  std::printf("amx: %d failures\n", g_failures);
+  return g_failures == 0 ? 0 : 1;
+}
