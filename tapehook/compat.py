@@ -35,6 +35,17 @@ def keras_variable_base():
     return getattr(variables, "KerasVariable", None) or variables.Variable
 
 
+def onednn_enabled() -> bool:
+    """Whether TF runs its CPU convolutions on oneDNN (TF_ENABLE_ONEDNN_OPTS,
+    read by TF at import; on by default on x86 Linux builds). False when TF
+    does not say."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+        return bool(_pywrap_util_port.IsMklEnabled())
+    except (ImportError, AttributeError):
+        return False
+
+
 def _params(fn):
     return list(inspect.signature(inspect.unwrap(fn)).parameters)
 

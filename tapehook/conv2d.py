@@ -205,7 +205,6 @@ def _binary_backward(x, w, dy, spec, attrs, skip):
     binarized operands where the dispatcher says they are faster; None where
     skipped. ``x`` may be the PackedInput kept instead of the input."""
     if isinstance(x, PackedInput):
-        # sign(x_hat) = x_hat: run as a float-input conv on x_hat, then e'(x).
         # dX: a float-input backprop on x_hat, times e'(x). dW: x_hat is its
         # own sign, so the binary-input backprop (one exact bf16 part on AMX)
         # gives the same result as a float-input one, with less work.
@@ -217,22 +216,30 @@ def _binary_backward(x, w, dy, spec, attrs, skip):
         dw = None if 1 in skip else _binary_backward(
             x_hat, w, dy, spec, attrs, skip + (0,))[1]
         return (None if dx is None else dx * mask), dw
-    if dispatch.backprop_path(attrs, dy.dtype.name, x.shape, w.shape) == dispatch.STOCK:
-        _count_reference(backprop_input=int(0 not in skip), backprop_filter=int(1 not in skip))
-        return reference.binary_conv2d_backward(
+    # Each backprop takes its own path (the dispatcher may split them).
+    paths = [None if i in skip else dispatch.backprop_path(
+        attrs, dy.dtype.name, x.shape, w.shape, filter_grad=bool(i),
+        binary_input=spec.activations) for i in (0, 1)]
+    grads = [None, None]
+    if dispatch.STOCK in paths:
+        stock = [p == dispatch.STOCK for p in paths]
+        _count_reference(backprop_input=int(stock[0]), backprop_filter=int(stock[1]))
+        ref = reference.binary_conv2d_backward(
             x, w, dy, spec, attrs["strides"], attrs["padding"], attrs["explicit_paddings"],
-            attrs["dilations"], need_dx=0 not in skip, need_dw=1 not in skip)
-    library = kernels.library()
-    if library is None:
-        raise TapehookError(
-            "a binary Conv2D recorded on the compiled kernels needs them for its "
-            "gradient, but they are not loaded; see tapehook.kernel_info()")
-    all_attrs = {**attrs, **spec.op_attrs()}
-    dx = None if 0 in skip else library.tapehook_binary_conv2d_backprop_input(
-        x, w, dy, **all_attrs)
-    dw = None if 1 in skip else library.tapehook_binary_conv2d_backprop_filter(
-        x, w, dy, **all_attrs)
-    return dx, dw
+            attrs["dilations"], need_dx=stock[0], need_dw=stock[1])
+        grads = [g if s else None for g, s in zip(ref, stock)]
+    if dispatch.KERNELS in paths:
+        library = kernels.library()
+        if library is None:
+            raise TapehookError(
+                "a binary Conv2D recorded on the compiled kernels needs them for its "
+                "gradient, but they are not loaded; see tapehook.kernel_info()")
+        all_attrs = {**attrs, **spec.op_attrs()}
+        if paths[0] == dispatch.KERNELS:
+            grads[0] = library.tapehook_binary_conv2d_backprop_input(x, w, dy, **all_attrs)
+        if paths[1] == dispatch.KERNELS:
+            grads[1] = library.tapehook_binary_conv2d_backprop_filter(x, w, dy, **all_attrs)
+    return tuple(grads)
 
 
 def conv2d_grad(op, grad):

@@ -15,7 +15,9 @@ TF with oneDNN on and off (README, "Speed"):
   float32 / float16 / bfloat16, SAME or VALID padding, at least
   AMX_MIN_TAPS kernel taps and AMX_MIN_PIXELS input pixels (batch x H x W):
   tapehook's kernels, which run them as exact bf16x3 AMX GEMMs
-  (cc_kernels/core/amx_conv.h);
+  (cc_kernels/core/amx_conv.h) — except the dW of a weight-only conv (float x
+  times float dy, six bf16 products per term) when TF runs oneDNN, whose
+  backprop-filter is then faster;
 - otherwise, forward with float activations: stock Conv2D on sign(W), then
   alpha; our AVX2 float kernels reached 0.5-0.8x of TF's AVX-512/oneDNN
   convolutions;
@@ -77,11 +79,21 @@ def forward_path(spec, attrs=None, dtype=None, x_shape=None, w_shape=None) -> st
     return STOCK
 
 
-def backprop_path(attrs, dtype=None, x_shape=None, w_shape=None) -> str:
+def backprop_path(attrs, dtype=None, x_shape=None, w_shape=None,
+                  filter_grad=False, binary_input=True) -> str:
+    """Path of one backprop: filter_grad selects dW (else dX); binary_input
+    says whether x enters it as sign(x)."""
     chosen = policy()
     if chosen != "auto":
         return chosen
-    if any(d != 1 for d in attrs["dilations"]) or _amx_fits(attrs, dtype, x_shape,
-                                                             w_shape):
+    if any(d != 1 for d in attrs["dilations"]):
         return KERNELS
-    return STOCK
+    if not _amx_fits(attrs, dtype, x_shape, w_shape):
+        return STOCK
+    # dW of a weight-only conv is float x float: no exact operand, so AMX needs
+    # six bf16 products per term, slower than oneDNN's backprop-filter.
+    if filter_grad and not binary_input:
+        from tapehook import compat
+
+        return STOCK if compat.onednn_enabled() else KERNELS
+    return KERNELS

@@ -78,9 +78,11 @@ def binary_conv2d_backward(x, w, dy, spec, strides, padding, explicit_paddings,
     the stock backprop ops directly; TF's CPU backprops reject dilations, so a
     dilated conv differentiates tf.nn.convolution (SpaceToBatchND) instead.
     """
-    x_hat, a = binarize_input(x, spec), alpha(w, spec.scale)
+    a = alpha(w, spec.scale)
     w_hat = sign(w) * a
-    if any(d != 1 for d in dilations):
+    dilated = any(d != 1 for d in dilations)
+    x_hat = binarize_input(x, spec) if need_dw or dilated else None
+    if dilated:
         with tf.GradientTape() as tape:
             tape.watch([x_hat, w_hat])
             y = float_conv2d(x_hat, w_hat, strides, padding, explicit_paddings, dilations)
