@@ -200,27 +200,53 @@ class _PackedConvOp:
         return self.attrs[name]
 
 
+def _library_for_gradient():
+    library = kernels.library()
+    if library is None:
+        raise TapehookError(
+            "a binary Conv2D recorded on the compiled kernels needs them for its "
+            "gradient, but they are not loaded; see tapehook.kernel_info()")
+    return library
+
+
 def _binary_backward(x, w, dy, spec, attrs, skip):
     """(dX, dW) from the compiled backprop kernels, or stock backprops on the
     binarized operands where the dispatcher says they are faster; None where
     skipped. ``x`` may be the PackedInput kept instead of the input."""
-    if isinstance(x, PackedInput):
-        # dX: a float-input backprop on x_hat, times e'(x). dW: x_hat is its
-        # own sign, so the binary-input backprop (one exact bf16 part on AMX)
-        # gives the same result as a float-input one, with less work.
-        x_hat, mask = x.unpack()
-        skip = tuple(skip)
-        dx = None if 0 in skip else _binary_backward(
-            x_hat, w, dy, dataclasses.replace(spec, activations=False), attrs,
-            skip + (1,))[0]
-        dw = None if 1 in skip else _binary_backward(
-            x_hat, w, dy, spec, attrs, skip + (0,))[1]
-        return (None if dx is None else dx * mask), dw
+    packed = x if isinstance(x, PackedInput) else None
+    x_shape = packed.shape if packed is not None else x.shape
     # Each backprop takes its own path (the dispatcher may split them).
     paths = [None if i in skip else dispatch.backprop_path(
-        attrs, dy.dtype.name, x.shape, w.shape, filter_grad=bool(i),
+        attrs, dy.dtype.name, x_shape, w.shape, filter_grad=bool(i),
         binary_input=spec.activations) for i in (0, 1)]
     grads = [None, None]
+    if packed is not None:
+        # The kernels read the packed sign / mask bits directly; stock ops get
+        # them unpacked: dX as a float-input backprop on x_hat times e'(x), dW
+        # on x_hat (its own sign).
+        all_attrs = {**attrs, **spec.op_attrs(), "channels": packed.channels}
+        if dispatch.KERNELS in paths:
+            library = _library_for_gradient()
+            if paths[0] == dispatch.KERNELS:
+                grads[0] = library.tapehook_binary_conv2d_backprop_input_packed(
+                    packed.packed, w, dy, **all_attrs)
+            if paths[1] == dispatch.KERNELS:
+                grads[1] = library.tapehook_binary_conv2d_backprop_filter_packed(
+                    packed.packed, w, dy, **all_attrs)
+        if dispatch.STOCK in paths:
+            x_hat, mask = packed.unpack()
+            stock = [p == dispatch.STOCK for p in paths]
+            _count_reference(backprop_input=int(stock[0]), backprop_filter=int(stock[1]))
+            conv = (attrs["strides"], attrs["padding"], attrs["explicit_paddings"],
+                    attrs["dilations"])
+            if stock[0]:
+                grads[0] = reference.binary_conv2d_backward(
+                    x_hat, w, dy, dataclasses.replace(spec, activations=False), *conv,
+                    need_dx=True, need_dw=False)[0] * mask
+            if stock[1]:
+                grads[1] = reference.binary_conv2d_backward(
+                    x_hat, w, dy, spec, *conv, need_dx=False, need_dw=True)[1]
+        return tuple(grads)
     if dispatch.STOCK in paths:
         stock = [p == dispatch.STOCK for p in paths]
         _count_reference(backprop_input=int(stock[0]), backprop_filter=int(stock[1]))
@@ -229,11 +255,7 @@ def _binary_backward(x, w, dy, spec, attrs, skip):
             attrs["dilations"], need_dx=stock[0], need_dw=stock[1])
         grads = [g if s else None for g, s in zip(ref, stock)]
     if dispatch.KERNELS in paths:
-        library = kernels.library()
-        if library is None:
-            raise TapehookError(
-                "a binary Conv2D recorded on the compiled kernels needs them for its "
-                "gradient, but they are not loaded; see tapehook.kernel_info()")
+        library = _library_for_gradient()
         all_attrs = {**attrs, **spec.op_attrs()}
         if paths[0] == dispatch.KERNELS:
             grads[0] = library.tapehook_binary_conv2d_backprop_input(x, w, dy, **all_attrs)

@@ -28,6 +28,11 @@ class PackedInput:
     channels: int
     dtype: tf.DType
 
+    @property
+    def shape(self) -> tf.TensorShape:
+        """The static shape of the input these bits stand for."""
+        return self.packed.shape[:-1].concatenate([self.channels])
+
     def unpack(self):
         """(sign(x) as +-1, 1{|x| <= clip}) in x's dtype."""
         return kernels.library().tapehook_unpack_input(

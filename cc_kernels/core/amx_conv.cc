@@ -12,6 +12,7 @@
 // blocks with no im2col copy. Grid positions that are not output pixels
 // (ow >= out_w, oh >= out_h) are computed and dropped.
 #include "amx_conv.h"
+#include "pack_input.h"
 
 #include <algorithm>
 #include <cmath>
@@ -242,6 +243,63 @@ TAPEHOOK_AMX void SignRow512(const float* v, int64_t n, uint16_t* out) {
 }
 #endif
 
+// out[0, 32) = bf16 sign of channels [c0, c0 + n) from packed sign bits
+// (pack_input.h: channel c is bit 7 - 2 (c % 4) of byte c / 4), then zeros.
+void SignRowFromBits(const uint8_t* bits, int64_t c0, int64_t n,
+                     uint16_t* out) {
+  for (int64_t j = 0; j < n; ++j) {  // branch-free: -1 with the sign bit flipped
+    const int64_t c = c0 + j;
+    const unsigned bit = (bits[c >> 2] >> (7 - 2 * (c & 3))) & 1u;
+    out[j] = static_cast<uint16_t>(kMinusOne ^ (bit << 15));
+  }
+  std::fill(out + n, out + 32, uint16_t{0});
+}
+
+// out[j] = +0 where the mask bit of channel j is clear, j < n; bits starts
+// at a multiple of 4 channels (bit 6 - 2 (j % 4) of byte j / 4). Branch-free:
+// the mask bits of normal activations are close to random.
+void MaskFromBitsPortable(const uint8_t* bits, int64_t n, float* out) {
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t keep =
+        0u - ((static_cast<uint32_t>(bits[j >> 2]) >> (6 - 2 * (j & 3))) & 1u);
+    out[j] = FromBits(Bits(out[j]) & keep);
+  }
+}
+
+#if TAPEHOOK_HAVE_AMX_PATH
+// kMaskNibble[b]: the four mask bits of packed byte b, channel i at bit i.
+struct MaskNibbles {
+  uint8_t v[256];
+  MaskNibbles() {
+    for (int b = 0; b < 256; ++b) {
+      v[b] = static_cast<uint8_t>((b >> 6 & 1) | (b >> 4 & 1) << 1 |
+                                  (b >> 2 & 1) << 2 | (b & 1) << 3);
+    }
+  }
+};
+const MaskNibbles kMaskNibble;
+
+TAPEHOOK_AMX void MaskFromBits512(const uint8_t* bits, int64_t n,
+                                  float* out) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const uint8_t* b = bits + j / 4;
+    const __mmask16 keep = static_cast<__mmask16>(
+        kMaskNibble.v[b[0]] | kMaskNibble.v[b[1]] << 4 |
+        kMaskNibble.v[b[2]] << 8 | kMaskNibble.v[b[3]] << 12);
+    _mm512_storeu_ps(out + j, _mm512_maskz_loadu_ps(keep, out + j));
+  }
+  MaskFromBitsPortable(bits + j / 4, n - j, out + j);
+}
+#endif
+
+void MaskFromBits(const uint8_t* bits, int64_t n, float* out) {
+#if TAPEHOOK_HAVE_AMX_PATH
+  return MaskFromBits512(bits, n, out);
+#endif
+  MaskFromBitsPortable(bits, n, out);
+}
+
 void SignRow(const float* v, int64_t n, uint16_t* out) {
 #if TAPEHOOK_HAVE_AMX_PATH
   return SignRow512(v, n, out);
@@ -398,6 +456,10 @@ Taps TapOffsets(const ConvShape& s, int64_t wp) {
 // B: [o_pairs][taps][kp / 32][2 tiles][16 k-pairs][16 cols][2] (AMX's
 // pair-interleaved layout), so one o pair's B is contiguous and stays close
 // while the thread walks all q for it.
+//
+// With a == nullptr (q-major order only) A is not materialized: each thread
+// splits the rows it needs into a window of a few hundred KiB via fill(r0,
+// r1, dst), so A never goes through memory and stays in L2.
 struct ShiftedGemm {
   const uint16_t* a;
   int64_t kp;
@@ -406,7 +468,15 @@ struct ShiftedGemm {
   const uint16_t* b;
   int64_t o_pairs, q_pairs;
   bool q_major;  // unit order, see ShiftedGemmUnits
+  // For a == nullptr: rows [0, rows) exist, the largest offset is max_off.
+  std::function<void(int64_t r0, int64_t r1, uint16_t* dst)> fill;
+  int64_t rows = 0, max_off = 0;
 };
+
+// q pairs per window refill: about 512 KiB of rows, 4 to 32 pairs.
+int64_t WindowPairs(int64_t ka) {
+  return std::max<int64_t>(4, std::min<int64_t>(32, (512 << 10) / (64 * ka)));
+}
 
 // Receives one finished 32 x 32 block: c[i * 2 + j] is the 16 x 16 tile of
 // rows q0 + 16 i + r, columns o0 + 16 j + col (row-major).
@@ -434,18 +504,33 @@ TAPEHOOK_AMX void ShiftedGemmUnits(const ShiftedGemm& g, int64_t u0,
   ConfigureTiles();
   alignas(64) float c[4][256];
   const int64_t chunks = g.kp / 32, ka = 3 * g.kp, lda = ka * 2;
+  const bool fused = g.a == nullptr;
+  const int64_t win_rows = fused ? 32 * WindowPairs(ka) + g.max_off : 0;
+  std::unique_ptr<Buffer> win(fused ? new Buffer(win_rows * ka) : nullptr);
+  int64_t win_begin = 0, win_end = 0;  // rows held by the window
   for (int64_t u = u0; u < u1; ++u) {
     // q-major when all of B stays in L2 (A then streams from memory once),
     // else o-major (each o pair's B stays in L2, A streams once per pair).
     const int64_t op = g.q_major ? u % g.o_pairs : u / g.q_pairs;
     const int64_t q0 = (g.q_major ? u / g.o_pairs : u % g.q_pairs) * 32;
+    const uint16_t* a = g.a;  // holds row a_row0 of A first
+    int64_t a_row0 = 0;
+    if (fused) {
+      if (q0 < win_begin || q0 + 32 + g.max_off > win_end) {
+        win_begin = q0;
+        win_end = std::min(q0 + win_rows, g.rows);
+        g.fill(win_begin, win_end, win->p);
+      }
+      a = win->p;
+      a_row0 = win_begin;
+    }
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     const uint16_t* bt = g.b + op * g.taps * chunks * 1024;
     for (int64_t t = 0; t < g.taps; ++t) {
-      const uint16_t* a0 = g.a + (q0 + g.off[t]) * ka;
+      const uint16_t* a0 = a + (q0 - a_row0 + g.off[t]) * ka;
       for (int64_t kc = 0; kc < chunks; ++kc, bt += 1024) {
         _tile_loadd(6, bt, 64);
         _tile_loadd(7, bt + 512, 64);
@@ -513,21 +598,54 @@ void PackShiftedB(int64_t taps, int64_t kp, int64_t o_pairs, Value value,
 // Fills A rows [0, rows) of a grid: each data pixel's `channels` values
 // (times scale[c] if given) split into hi, mid and lo parts of kp values
 // each (zero-padded), zeros for padding pixels.
+// Rows [r0, r1) of it into dst (dst holds row r0 first).
+void FillSplitRange(const Grid& grid, const float* data, const float* scale,
+                    int64_t channels, int64_t kp, int64_t r0, int64_t r1,
+                    uint16_t* dst) {
+  const int64_t ka = 3 * kp;
+  for (int64_t q = r0; q < r1; ++q) {
+    uint16_t* row = dst + (q - r0) * ka;
+    const int64_t p = grid.DataPixel(q);
+    if (p < 0) {
+      std::fill(row, row + ka, uint16_t{0});
+      continue;
+    }
+    SplitRow(data + p * channels, scale, channels, kp, row);
+  }
+}
+
 void FillSplitRows(const Grid& grid, const float* data, const float* scale,
                    int64_t channels, int64_t kp, int64_t rows, uint16_t* a,
                    const ParallelFor& parallel_for) {
-  const int64_t ka = 3 * kp;
-  parallel_for(rows, ka, [&](int64_t r0, int64_t r1) {
-    for (int64_t q = r0; q < r1; ++q) {
-      uint16_t* row = a + q * ka;
-      const int64_t p = grid.DataPixel(q);
-      if (p < 0) {
-        std::fill(row, row + ka, uint16_t{0});
-        continue;
-      }
-      SplitRow(data + p * channels, scale, channels, kp, row);
-    }
+  parallel_for(rows, 3 * kp, [&](int64_t r0, int64_t r1) {
+    FillSplitRange(grid, data, scale, channels, kp, r0, r1,
+                   a + r0 * 3 * kp);
   });
+}
+
+// A of a shifted GEMM over `grid`: materialized for o-major order, filled
+// per thread (ShiftedGemm::fill) for q-major order.
+struct SplitOperand {
+  std::unique_ptr<Buffer> buffer;
+  std::function<void(int64_t, int64_t, uint16_t*)> fill;
+};
+
+SplitOperand MakeSplitOperand(const Grid& grid, const float* data,
+                              const float* scale, int64_t channels,
+                              int64_t kp, int64_t rows, bool q_major,
+                              const ParallelFor& parallel_for) {
+  SplitOperand out;
+  if (q_major) {
+    out.fill = [&grid, data, scale, channels, kp](int64_t r0, int64_t r1,
+                                                 uint16_t* dst) {
+      FillSplitRange(grid, data, scale, channels, kp, r0, r1, dst);
+    };
+  } else {
+    out.buffer.reset(new Buffer(rows * 3 * kp));
+    FillSplitRows(grid, data, scale, channels, kp, rows, out.buffer->p,
+                  parallel_for);
+  }
+  return out;
 }
 
 // alpha (or ones) padded with ones to a multiple of 32.
@@ -688,8 +806,9 @@ bool Forward(const ConvShape& s, const float* x, const float* w,
   const int64_t o_pairs = (O + 31) / 32;
 
   PROF_START;
-  Buffer a(rows * 3 * kp);
-  FillSplitRows(grid, x, nullptr, C, kp, rows, a.p, parallel_for);
+  const bool q_major = QMajor(o_pairs, taps, kp);
+  const SplitOperand a = MakeSplitOperand(grid, x, nullptr, C, kp, rows,
+                                          q_major, parallel_for);
   PROF("fwd split");
   Buffer b(o_pairs * taps * kp * 32);
   PackShiftedB(
@@ -702,9 +821,17 @@ bool Forward(const ConvShape& s, const float* x, const float* w,
 
   PROF("fwd packB");
   const std::vector<float> scale = PaddedScale(alpha, O);
-  const ShiftedGemm g{a.p,     kp,      tp.off.data(),
-                      taps,    b.p,     o_pairs,
-                      q_pairs, QMajor(o_pairs, taps, kp)};
+  const ShiftedGemm g{a.buffer ? a.buffer->p : nullptr,
+                      kp,
+                      tp.off.data(),
+                      taps,
+                      b.p,
+                      o_pairs,
+                      q_pairs,
+                      q_major,
+                      a.fill,
+                      rows,
+                      tp.max_off};
   RunShiftedGemm(
       g,
       [&](int64_t q0, int64_t o0, const float (*c)[256]) {
@@ -716,10 +843,14 @@ bool Forward(const ConvShape& s, const float* x, const float* w,
   return true;
 }
 
-bool BackpropInput(const ConvShape& s, const float* x, const float* w,
-                   const float* dy, Estimator act_est, double clip,
-                   const float* alpha, float* dx,
-                   const ParallelFor& parallel_for) {
+namespace {
+
+// The input comes either as floats (x) or as packed sign / mask bits
+// (packed, pack_input.h, with the ste_sign estimator); exactly one is set.
+bool BackpropInputImpl(const ConvShape& s, const float* x,
+                       const uint8_t* packed, const float* w, const float* dy,
+                       Estimator act_est, double clip, const float* alpha,
+                       float* dx, const ParallelFor& parallel_for) {
   if (!SupportsBackpropInput(s) || !Usable()) return false;
   const int64_t C = s.in_c, O = s.out_c, taps = s.k_h * s.k_w;
   const int64_t eh = (s.k_h - 1) * s.dil_h, ew = (s.k_w - 1) * s.dil_w;
@@ -741,9 +872,10 @@ bool BackpropInput(const ConvShape& s, const float* x, const float* w,
   const int64_t c_pairs = (C + 31) / 32;
 
   const std::vector<float> scale = PaddedScale(alpha, O);
-  Buffer a(rows * 3 * kp);
-  FillSplitRows(grid, dy, alpha ? scale.data() : nullptr, O, kp, rows, a.p,
-                parallel_for);
+  const bool q_major = QMajor(c_pairs, taps, kp);
+  const SplitOperand a =
+      MakeSplitOperand(grid, dy, alpha ? scale.data() : nullptr, O, kp, rows,
+                       q_major, parallel_for);
   Buffer b(c_pairs * taps * kp * 32);
   PackShiftedB(
       taps, kp, c_pairs,
@@ -754,9 +886,17 @@ bool BackpropInput(const ConvShape& s, const float* x, const float* w,
       b.p, parallel_for);
 
   const std::vector<float> ones(32, 1.0f);
-  const ShiftedGemm g{a.p,     kp,      tp.off.data(),
-                      taps,    b.p,     c_pairs,
-                      q_pairs, QMajor(c_pairs, taps, kp)};
+  const ShiftedGemm g{a.buffer ? a.buffer->p : nullptr,
+                      kp,
+                      tp.off.data(),
+                      taps,
+                      b.p,
+                      c_pairs,
+                      q_pairs,
+                      q_major,
+                      a.fill,
+                      rows,
+                      tp.max_off};
   RunShiftedGemm(
       g,
       [&](int64_t q0, int64_t c0, const float (*acc)[256]) {
@@ -767,6 +907,10 @@ bool BackpropInput(const ConvShape& s, const float* x, const float* w,
           const int64_t p = grid.OutPixel(q0 + r);
           if (p < 0) continue;
           float* out = dx + p * C + c0;
+          if (packed != nullptr) {
+            MaskFromBits(packed + p * PackedBytes(C) + c0 / 4, c_n, out);
+            continue;
+          }
           const float* xr = x + p * C + c0;
           if (act_est == Estimator::kSteSign) {
             const float cl = static_cast<float>(clip);
@@ -784,10 +928,11 @@ bool BackpropInput(const ConvShape& s, const float* x, const float* w,
   return true;
 }
 
-bool BackpropFilter(const ConvShape& s, const float* x, const float* w,
-                    const float* dy, Estimator act_est, Estimator w_est,
-                    double clip, const float* alpha, float* dw,
-                    const ParallelFor& parallel_for) {
+bool BackpropFilterImpl(const ConvShape& s, const float* x,
+                        const uint8_t* packed, const float* w,
+                        const float* dy, Estimator act_est, Estimator w_est,
+                        double clip, const float* alpha, float* dw,
+                        const ParallelFor& parallel_for) {
   if (!SupportsBackpropFilter(s) || !Usable()) return false;
 #if TAPEHOOK_HAVE_AMX_PATH
   const int64_t C = s.in_c, O = s.out_c, taps = s.k_h * s.k_w;
@@ -824,7 +969,11 @@ bool BackpropFilter(const ConvShape& s, const float* x, const float* w,
         if (p < 0 || nc == 0) {
           std::fill(row, row + 96, uint16_t{0});
         } else if (binary) {
-          SignRow(x + p * C + c0, nc, row);
+          if (packed != nullptr) {
+            SignRowFromBits(packed + p * PackedBytes(C), c0, nc, row);
+          } else {
+            SignRow(x + p * C + c0, nc, row);
+          }
         } else {
           SplitRow(x + p * C + c0, nullptr, nc, 32, row);
         }
@@ -922,6 +1071,39 @@ bool BackpropFilter(const ConvShape& s, const float* x, const float* w,
 #else
   return false;
 #endif
+}
+
+}  // namespace
+
+bool BackpropInput(const ConvShape& s, const float* x, const float* w,
+                   const float* dy, Estimator act_est, double clip,
+                   const float* alpha, float* dx,
+                   const ParallelFor& parallel_for) {
+  return BackpropInputImpl(s, x, nullptr, w, dy, act_est, clip, alpha, dx,
+                           parallel_for);
+}
+
+bool BackpropFilter(const ConvShape& s, const float* x, const float* w,
+                    const float* dy, Estimator act_est, Estimator w_est,
+                    double clip, const float* alpha, float* dw,
+                    const ParallelFor& parallel_for) {
+  return BackpropFilterImpl(s, x, nullptr, w, dy, act_est, w_est, clip, alpha,
+                            dw, parallel_for);
+}
+
+bool BackpropInputPacked(const ConvShape& s, const uint8_t* packed,
+                         const float* w, const float* dy, const float* alpha,
+                         float* dx, const ParallelFor& parallel_for) {
+  return BackpropInputImpl(s, nullptr, packed, w, dy, Estimator::kSteSign,
+                           1.0, alpha, dx, parallel_for);
+}
+
+bool BackpropFilterPacked(const ConvShape& s, const uint8_t* packed,
+                          const float* w, const float* dy, Estimator w_est,
+                          double clip, const float* alpha, float* dw,
+                          const ParallelFor& parallel_for) {
+  return BackpropFilterImpl(s, nullptr, packed, w, dy, Estimator::kSteSign,
+                            w_est, clip, alpha, dw, parallel_for);
 }
 
 }  // namespace amx

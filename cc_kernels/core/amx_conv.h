@@ -58,6 +58,17 @@ bool BackpropFilter(const ConvShape& s, const float* x, const float* w,
                     double clip, const float* alpha, float* dw,
                     const ParallelFor& parallel_for);
 
+// The same two backprops for a binary-activation conv with the ste_sign
+// estimator whose input is given as packed sign / mask bits
+// (pack_input.h), as the backward keeps it: no float x is needed.
+bool BackpropInputPacked(const ConvShape& s, const uint8_t* packed,
+                         const float* w, const float* dy, const float* alpha,
+                         float* dx, const ParallelFor& parallel_for);
+bool BackpropFilterPacked(const ConvShape& s, const uint8_t* packed,
+                          const float* w, const float* dy, Estimator w_est,
+                          double clip, const float* alpha, float* dw,
+                          const ParallelFor& parallel_for);
+
 }  // namespace amx
 }  // namespace tapehook
 

@@ -4,6 +4,7 @@
 #include "binary_conv.h"
 #include "amx_conv.h"
 #include "simd_avx2.h"
+#include "simd_avx512.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -425,6 +426,16 @@ constexpr int64_t kBitPixelBlock = 64;
 
 int64_t WordsPerPixel(const ConvShape& s) { return (s.in_c + 63) / 64; }
 
+// Inner loops of one BitpackedForward call, picked once per call (the checks
+// read TAPEHOOK_NO_AVX512 / TAPEHOOK_NO_AVX2).
+enum class BitIsa { kPortable, kAvx2, kAvx512 };
+
+BitIsa PickBitIsa() {
+  if (simd::Avx512Usable()) return BitIsa::kAvx512;
+  if (simd::Avx2Usable()) return BitIsa::kAvx2;
+  return BitIsa::kPortable;
+}
+
 template <typename T>
 void PackSignsPortable(const T* x, int64_t c, uint64_t* out) {
   for (int64_t w = 0; w * 64 < c; ++w) {
@@ -437,22 +448,26 @@ void PackSignsPortable(const T* x, int64_t c, uint64_t* out) {
   }
 }
 
+// (The AVX-512 tier packs floats with simd::PackSigns512 and
+// simd::PackWeightTap512, over whole runs; doubles take the portable loops.)
 template <typename T>
-void PackSigns(bool avx2, const T* x, int64_t c, uint64_t* out) {
+void PackSigns(BitIsa isa, const T* x, int64_t c, uint64_t* out) {
 #if TAPEHOOK_HAVE_AVX2_PATH
   if constexpr (std::is_same_v<T, float>) {
-    if (avx2) return simd::PackSigns(x, c, out);
+    if (isa == BitIsa::kAvx2) return simd::PackSigns(x, c, out);
   }
 #endif
   PackSignsPortable(x, c, out);
 }
 
 template <typename T>
-void PackWeightSigns(bool avx2, const T* w, int64_t n, int shift,
+void PackWeightSigns(BitIsa isa, const T* w, int64_t n, int shift,
                      uint64_t* words, double* abs_sum) {
 #if TAPEHOOK_HAVE_AVX2_PATH
   if constexpr (std::is_same_v<T, float>) {
-    if (avx2) return simd::PackWeightSigns(w, n, shift, words, abs_sum);
+    if (isa == BitIsa::kAvx2) {
+      return simd::PackWeightSigns(w, n, shift, words, abs_sum);
+    }
   }
 #endif
   for (int64_t o = 0; o < n; ++o) {
@@ -489,6 +504,296 @@ constexpr int64_t kPopRowTile = simd::kPopMR, kPopColTile = simd::kPopNR;
 constexpr int64_t kPopRowTile = 1, kPopColTile = 1;
 #endif
 
+#if TAPEHOOK_HAVE_AVX512_PATH
+// Output pixels per block of the AVX-512 tier: whole register tiles.
+constexpr int64_t kBitPixelBlock512 = 8 * simd::kConvMR;
+
+// Where the blocks of the AVX-512 tier find the signs of x.
+enum class BitInput {
+  kPacked,  // xb: all of x, packed in a pass of its own before the blocks
+  kBands,   // each unit packs the input rows of a band of output rows
+  kPixels,  // Pointwise(s): each block packs the input pixels it reads
+};
+
+// True when each output pixel reads exactly one input pixel, never padding:
+// a 1x1 filter, no leading padding, no output past the input.
+bool Pointwise(const ConvShape& s) {
+  return s.k_h == 1 && s.k_w == 1 && s.pad_top == 0 && s.pad_left == 0 &&
+         (s.out_h - 1) * s.stride_h < s.in_h &&
+         (s.out_w - 1) * s.stride_w < s.in_w;
+}
+
+// Packing inside the units keeps a unit's signs in cache and spreads the
+// read of x over the threads with the popcounts, instead of a pass of its own
+// (which, for a large x, runs at the speed of memory and ends in a barrier).
+// A small x is packed up front: that pass is short, and blocks of pixels
+// share out better than bands.
+BitInput PickBitInput(const ConvShape& s) {
+  if (Pointwise(s)) return BitInput::kPixels;
+  constexpr int64_t kSmallInput = 1 << 18;  // values of x
+  return s.batch * s.in_h * s.in_w * s.in_c < kSmallInput ? BitInput::kPacked
+                                                          : BitInput::kBands;
+}
+
+// Output rows per band: at least enough that the input rows two bands share
+// add at most a quarter to the packing, else as few as give about kBandUnits
+// units over the batch.
+int64_t BandRows(const ConvShape& s) {
+  constexpr int64_t kBandUnits = 64;
+  const int64_t shared = std::max<int64_t>(
+      0, (s.k_h - 1) * s.dil_h + 1 - s.stride_h);  // input rows per seam
+  const int64_t min_rows = (4 * shared + s.stride_h - 1) / s.stride_h;
+  const int64_t rows = (s.out_h * s.batch + kBandUnits - 1) / kBandUnits;
+  return std::min(s.out_h, std::max({rows, min_rows, int64_t{1}}));
+}
+
+// The rest of BitpackedForward on the AVX-512 tier, given its packed signs
+// of W (wb with n_pad columns), tap popcounts and alpha, and x as `input`
+// says: packed (xb) or as floats (x). Interior pixels get no bit im2col: the
+// tile reads their words in the packed input, one run per kernel row
+// (dil_w == 1) or per tap. Border pixels get a zero-padded row and their own
+// bias (see simd::BitConvBlock); outputs leave the registers done.
+template <typename T>
+void BitpackedBlocks512(const ConvShape& s, BitInput input, const T* x,
+                        const uint64_t* xb, const uint64_t* wb, int64_t n_pad,
+                        const int32_t* tap_count, const T* alpha, T* y,
+                        const ParallelFor& parallel_for) {
+  const int64_t C = s.in_c, N = s.out_c;
+  const int64_t cw = WordsPerPixel(s);
+  const int64_t taps = s.k_h * s.k_w;
+  const int64_t row_words = taps * cw;
+  const int64_t pixels = OutPixels(s);
+  const bool runs = s.dil_w == 1;
+  const int64_t segs = runs ? s.k_h : taps;
+  const int64_t seg_len = runs ? s.k_w * cw : cw;
+  auto inside = [&](int64_t ih, int64_t iw) {
+    return ih >= 0 && ih < s.in_h && iw >= 0 && iw < s.in_w;
+  };
+
+  // Bias rows by output position (which taps fall in the padding does not
+  // depend on the image). Interior positions share one row: every tap valid,
+  // all_match = taps * C. At a border position, a padding tap's zero words
+  // count popcount(W tap) mismatches: bias = valid * C + 2 * those, so that
+  // bias - 2 * count is the exact dot product.
+  const std::vector<int32_t> interior_bias(N, static_cast<int32_t>(taps * C));
+  std::vector<const int32_t*> pos_bias(s.out_h * s.out_w,
+                                       interior_bias.data());
+  std::vector<int64_t> border_pos;
+  for (int64_t oh = 0; oh < s.out_h; ++oh) {
+    const int64_t ih0 = oh * s.stride_h - s.pad_top;
+    for (int64_t ow = 0; ow < s.out_w; ++ow) {
+      const int64_t iw0 = ow * s.stride_w - s.pad_left;
+      if (!inside(ih0, iw0) ||
+          !inside(ih0 + (s.k_h - 1) * s.dil_h, iw0 + (s.k_w - 1) * s.dil_w)) {
+        border_pos.push_back(oh * s.out_w + ow);
+      }
+    }
+  }
+  std::vector<int32_t> border_bias(border_pos.size() * N, 0);
+  for (size_t i = 0; i < border_pos.size(); ++i) {
+    const int64_t oh = border_pos[i] / s.out_w, ow = border_pos[i] % s.out_w;
+    int32_t* bp = &border_bias[i * N];
+    int64_t valid = taps;
+    for (int64_t kh = 0, t = 0; kh < s.k_h; ++kh) {
+      for (int64_t kw = 0; kw < s.k_w; ++kw, ++t) {
+        if (inside(oh * s.stride_h - s.pad_top + kh * s.dil_h,
+                   ow * s.stride_w - s.pad_left + kw * s.dil_w)) {
+          continue;
+        }
+        --valid;
+        for (int64_t o = 0; o < N; ++o) bp[o] += 2 * tap_count[t * N + o];
+      }
+    }
+    for (int64_t o = 0; o < N; ++o) bp[o] += static_cast<int32_t>(valid * C);
+    pos_bias[border_pos[i]] = bp;
+  }
+
+  // Scratch of one thread, and the block of output pixels [pix0, pix0 + np)
+  // (np <= kBitPixelBlock512). image_rows(n) gives image n's packed rows
+  // and the input row they start at; the block prefetches `lines` cache
+  // lines from `next` (see simd::BitConvBlock).
+  struct Scratch {
+    std::vector<const uint64_t*> seg;
+    std::vector<const int32_t*> bias;
+    std::vector<uint64_t> rows;  // border pixels' rows, or kPixels' pixels
+    std::vector<uint64_t> band;  // kBands: the unit's packed input rows
+  };
+  auto run_block = [&](Scratch& sc, int64_t pix0, int64_t np, auto image_rows,
+                       const T* next, int64_t lines) {
+    PixelPos q = Pos(s, pix0);
+    if (input == BitInput::kPixels) {
+      if constexpr (std::is_same_v<T, float>) {
+        if (s.out_h == s.in_h && s.out_w == s.in_w) {
+          // Stride 1: output and input pixels coincide, one run of np.
+          simd::PackSigns512(x + pix0 * C, np, C, sc.rows.data());
+        } else {
+          for (int64_t p = 0; p < np; ++p) {
+            const int64_t in_pix = (q.n * s.in_h + q.oh * s.stride_h) * s.in_w +
+                                   q.ow * s.stride_w;
+            simd::PackSigns512(x + in_pix * C, 1, C, &sc.rows[p * cw]);
+            if (++q.ow == s.out_w) {
+              q.ow = 0;
+              if (++q.oh == s.out_h) q.oh = 0, ++q.n;
+            }
+          }
+        }
+      }
+      for (int64_t p = 0; p < np; ++p) {
+        sc.seg[p] = &sc.rows[p * cw];  // segs == 1, seg_len == cw
+        sc.bias[p] = interior_bias.data();
+      }
+    } else {
+      for (int64_t p = 0; p < np; ++p) {
+        const std::pair<const uint64_t*, int64_t> image = image_rows(q.n);
+        const uint64_t* xn = image.first;
+        const int64_t ih_first = image.second;
+        const uint64_t** sp = &sc.seg[p * segs];
+        const int64_t ih0 = q.oh * s.stride_h - s.pad_top;
+        const int64_t iw0 = q.ow * s.stride_w - s.pad_left;
+        auto word = [&](int64_t ih, int64_t iw) {
+          return xn + ((ih - ih_first) * s.in_w + iw) * cw;
+        };
+        sc.bias[p] = pos_bias[q.oh * s.out_w + q.ow];
+        if (sc.bias[p] == interior_bias.data()) {
+          for (int64_t kh = 0; kh < s.k_h; ++kh) {
+            const uint64_t* src = word(ih0 + kh * s.dil_h, iw0);
+            if (runs) {
+              sp[kh] = src;
+            } else {
+              for (int64_t kw = 0; kw < s.k_w; ++kw) {
+                sp[kh * s.k_w + kw] = src + kw * s.dil_w * cw;
+              }
+            }
+          }
+        } else {
+          uint64_t* row = &sc.rows[p * row_words];
+          for (int64_t kh = 0, t = 0; kh < s.k_h; ++kh) {
+            const int64_t ih = ih0 + kh * s.dil_h;
+            for (int64_t kw = 0; kw < s.k_w; ++kw, ++t) {
+              const int64_t iw = iw0 + kw * s.dil_w;
+              if (inside(ih, iw)) {
+                std::copy_n(word(ih, iw), cw, row + t * cw);
+              } else {
+                std::fill_n(row + t * cw, cw, 0);
+              }
+            }
+          }
+          for (int64_t g = 0; g < segs; ++g) sp[g] = row + g * seg_len;
+        }
+        if (++q.ow == s.out_w) {
+          q.ow = 0;
+          if (++q.oh == s.out_h) q.oh = 0, ++q.n;
+        }
+      }
+    }
+    const simd::BitConvBlock<T> block{
+        sc.seg.data(), segs,         seg_len,   wb,
+        n_pad,         sc.bias.data(), alpha,   y + pix0 * N,
+        /*ldy=*/N,     /*n=*/N,      reinterpret_cast<const char*>(next),
+        lines};
+    simd::BitConv(block, np);
+  };
+  auto new_scratch = [&] {
+    return Scratch{std::vector<const uint64_t*>(kBitPixelBlock512 * segs),
+                   std::vector<const int32_t*>(kBitPixelBlock512),
+                   std::vector<uint64_t>(kBitPixelBlock512 * row_words),
+                   {}};
+  };
+  // About 1.5 cycles per 512 bit-MACs (64 bits by 8 channels), plus the rest.
+  const int64_t pixel_cost = row_words * N / 4 + 1;
+  // Whole cache lines in a run of values (a partial last one is left out).
+  auto lines_of = [&](int64_t values) {
+    return values * static_cast<int64_t>(sizeof(T)) / 64;
+  };
+
+  if (input != BitInput::kBands) {
+    auto whole_input = [&](int64_t n) {
+      return std::pair<const uint64_t*, int64_t>(xb + n * s.in_h * s.in_w * cw,
+                                                 0);
+    };
+    const int64_t blocks =
+        (pixels + kBitPixelBlock512 - 1) / kBitPixelBlock512;
+    parallel_for(blocks, kBitPixelBlock512 * pixel_cost,
+                 [&](int64_t b0, int64_t b1) {
+                   Scratch sc = new_scratch();
+                   for (int64_t b = b0; b < b1; ++b) {
+                     const int64_t pix0 = b * kBitPixelBlock512;
+                     const int64_t np =
+                         std::min(kBitPixelBlock512, pixels - pix0);
+                     // Stride-1 kPixels: the next block's floats follow.
+                     const bool ahead = input == BitInput::kPixels &&
+                                        s.out_h == s.in_h &&
+                                        s.out_w == s.in_w && b + 1 < b1;
+                     const int64_t next_np = std::min(
+                         kBitPixelBlock512, pixels - pix0 - np);
+                     run_block(sc, pix0, np, whole_input,
+                               x + (pix0 + np) * C,
+                               ahead ? lines_of(next_np * C) : 0);
+                   }
+                 });
+    return;
+  }
+
+  // Bands: unit u is output rows [oh0, oh1) of image u / bands.
+  const int64_t band_rows = BandRows(s);
+  const int64_t bands = (s.out_h + band_rows - 1) / band_rows;
+  const int64_t band_cost = band_rows * s.out_w * pixel_cost +
+                            band_rows * s.stride_h * s.in_w * C / 4;
+  // Input rows [ih_first, ih_end) that unit u reads, and its output rows.
+  struct Band {
+    int64_t n, oh0, oh1, ih_first, in_rows;
+    int64_t values(const ConvShape& s) const {
+      return in_rows * s.in_w * s.in_c;
+    }
+  };
+  auto band_of = [&](int64_t u) {
+    Band band;
+    band.n = u / bands;
+    band.oh0 = u % bands * band_rows;
+    band.oh1 = std::min(s.out_h, band.oh0 + band_rows);
+    band.ih_first = std::max<int64_t>(0, band.oh0 * s.stride_h - s.pad_top);
+    const int64_t ih_end =
+        std::min(s.in_h, (band.oh1 - 1) * s.stride_h - s.pad_top +
+                             (s.k_h - 1) * s.dil_h + 1);
+    band.in_rows = std::max<int64_t>(0, ih_end - band.ih_first);
+    return band;
+  };
+  auto band_floats = [&](const Band& band) {
+    return x + (band.n * s.in_h + band.ih_first) * s.in_w * C;
+  };
+  parallel_for(s.batch * bands, band_cost, [&](int64_t u0, int64_t u1) {
+    Scratch sc = new_scratch();
+    for (int64_t u = u0; u < u1; ++u) {
+      const Band band = band_of(u);
+      sc.band.resize(std::max<int64_t>(1, band.in_rows * s.in_w * cw));
+      if constexpr (std::is_same_v<T, float>) {
+        simd::PackSigns512(band_floats(band), band.in_rows * s.in_w, C,
+                           sc.band.data());
+      }
+      auto band_input = [&](int64_t) {
+        return std::pair<const uint64_t*, int64_t>(sc.band.data(),
+                                                   band.ih_first);
+      };
+      // The blocks share out the prefetch of the next unit's floats.
+      const Band next = band_of(std::min(u + 1, u1 - 1));
+      const int64_t next_lines = u + 1 < u1 ? lines_of(next.values(s)) : 0;
+      const int64_t begin = (band.n * s.out_h + band.oh0) * s.out_w;
+      const int64_t end = (band.n * s.out_h + band.oh1) * s.out_w;
+      const int64_t blocks =
+          (end - begin + kBitPixelBlock512 - 1) / kBitPixelBlock512;
+      for (int64_t i = 0; i < blocks; ++i) {
+        const int64_t pix0 = begin + i * kBitPixelBlock512;
+        const int64_t first_line = next_lines * i / blocks;
+        run_block(sc, pix0, std::min(kBitPixelBlock512, end - pix0),
+                  band_input,
+                  band_floats(next) + first_line * 64 / sizeof(T),
+                  next_lines * (i + 1) / blocks - first_line);
+      }
+    }
+  });
+}
+#endif  // TAPEHOOK_HAVE_AVX512_PATH
+
 template <typename T>
 void BitpackedForward(const ConvShape& s, const T* x, const T* w,
                       Scale scale, T* y,
@@ -499,14 +804,37 @@ void BitpackedForward(const ConvShape& s, const T* x, const T* w,
   const int64_t row_words = taps * cw;
   const int64_t n_pad = RoundUp(N, kPopColTile);
   const int64_t pixels = OutPixels(s);
-  const bool avx2 = simd::Avx2Usable();  // once per call: it reads the env
+  const BitIsa isa = PickBitIsa();  // once per call: it reads the env
+  // The AVX-512 packing loops cost a few times less per element; saying so
+  // lets parallel_for run small passes inline instead of waking threads.
+  const int64_t pack_cost_div =
+      isa == BitIsa::kAvx512 && std::is_same_v<T, float> ? 4 : 1;
+  const int64_t pixel_cost = C / pack_cost_div + 1;
+  const int64_t tap_cost = C * N / pack_cost_div + 1;
+
+#if TAPEHOOK_HAVE_AVX512_PATH
+  // Unless x is small, the AVX-512 tier packs it inside its units.
+  const BitInput input = isa == BitIsa::kAvx512 && std::is_same_v<T, float>
+                             ? PickBitInput(s)
+                             : BitInput::kPacked;
+  const bool packed = input == BitInput::kPacked;
+#else
+  const bool packed = true;
+#endif
 
   // Signs of x, one run of cw words per input pixel.
-  const int64_t in_pixels = s.batch * s.in_h * s.in_w;
+  const int64_t in_pixels = packed ? s.batch * s.in_h * s.in_w : 0;
   std::unique_ptr<uint64_t[]> xb(new uint64_t[in_pixels * cw]);
-  parallel_for(in_pixels, C, [&](int64_t p0, int64_t p1) {
+  parallel_for(in_pixels, pixel_cost, [&](int64_t p0, int64_t p1) {
+#if TAPEHOOK_HAVE_AVX512_PATH
+    if constexpr (std::is_same_v<T, float>) {
+      if (isa == BitIsa::kAvx512) {
+        return simd::PackSigns512(x + p0 * C, p1 - p0, C, &xb[p0 * cw]);
+      }
+    }
+#endif
     for (int64_t p = p0; p < p1; ++p) {
-      PackSigns(avx2, x + p * C, C, &xb[p * cw]);
+      PackSigns(isa, x + p * C, C, &xb[p * cw]);
     }
   });
 
@@ -518,10 +846,21 @@ void BitpackedForward(const ConvShape& s, const T* x, const T* w,
   // (per tap, then over taps in order: independent of the sharding).
   const bool mean_abs = scale == Scale::kMeanAbs;
   std::vector<double> abs_sum(mean_abs ? taps * N : 0, 0.0);
-  parallel_for(taps, C * N, [&](int64_t t0, int64_t t1) {
+  parallel_for(taps, tap_cost, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
+#if TAPEHOOK_HAVE_AVX512_PATH
+      if constexpr (std::is_same_v<T, float>) {
+        if (isa == BitIsa::kAvx512) {
+          auto* pack = mean_abs ? simd::PackWeightTap512<true>
+                                : simd::PackWeightTap512<false>;
+          pack(w + t * C * N, C, N, &wb[t * cw * n_pad], n_pad,
+               &tap_count[t * N], mean_abs ? &abs_sum[t * N] : nullptr);
+          continue;
+        }
+      }
+#endif
       for (int64_t c = 0; c < C; ++c) {
-        PackWeightSigns(avx2, w + (t * C + c) * N, N,
+        PackWeightSigns(isa, w + (t * C + c) * N, N,
                         static_cast<int>(c % 64),
                         &wb[(t * cw + c / 64) * n_pad],
                         mean_abs ? &abs_sum[t * N] : nullptr);
@@ -539,6 +878,13 @@ void BitpackedForward(const ConvShape& s, const T* x, const T* w,
     for (int64_t t = 0; t < taps; ++t) sum += abs_sum[t * N + o];
     alpha_t[o] = static_cast<T>(sum / static_cast<double>(taps * C));
   }
+#if TAPEHOOK_HAVE_AVX512_PATH
+  if (isa == BitIsa::kAvx512) {
+    return BitpackedBlocks512(s, input, x, xb.get(), wb.data(), n_pad,
+                              tap_count.data(), alpha_t.data(), y,
+                              parallel_for);
+  }
+#endif
 
   const int64_t blocks = (pixels + kBitPixelBlock - 1) / kBitPixelBlock;
   const int64_t rows_pad = RoundUp(kBitPixelBlock, kPopRowTile);
@@ -589,8 +935,8 @@ void BitpackedForward(const ConvShape& s, const T* x, const T* w,
         }
       }
       // Rows past np stay as they are: computed, never stored.
-      XorPopcount(avx2, RoundUp(np, kPopRowTile), n_pad, row_words,
-                  col.data(), wb.data(), counts.data(), n_pad);
+      XorPopcount(isa == BitIsa::kAvx2, RoundUp(np, kPopRowTile), n_pad,
+                  row_words, col.data(), wb.data(), counts.data(), n_pad);
       // dot = sum over valid taps of (C - 2 * mismatches). A padding tap has
       // zero x bits, so it counted popcount(W tap): take that back out.
       for (int64_t p = 0; p < np; ++p) {
@@ -821,7 +1167,14 @@ void BinaryConv2DBackpropFilter(const ConvShape& s, const T* x, const T* w,
   });
 }
 
+template <typename T>
+std::vector<double> FilterAlpha(const ConvShape& s, const T* w, Scale scale) {
+  return Alpha(s, w, scale);
+}
+
 #define TAPEHOOK_INSTANTIATE(T)                                              \
+  template std::vector<double> FilterAlpha<T>(const ConvShape&, const T*,    \
+                                              Scale);                        \
   template void BinaryConv2DForward<T>(const ConvShape&, const T*, const T*, \
                                        bool, Scale, T*, const ParallelFor&); \
   template void BinaryConv2DBackpropInput<T>(                                \

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 namespace tapehook {
 
@@ -57,6 +58,10 @@ std::string ComputeConvGeometry(Padding padding, int64_t pad_t, int64_t pad_b,
 using ParallelFor = std::function<void(
     int64_t total, int64_t cost_per_unit,
     const std::function<void(int64_t, int64_t)>& fn)>;
+
+// alpha[out_c]: 1, or mean |W[:, :, :, o]| for Scale::kMeanAbs.
+template <typename T>
+std::vector<double> FilterAlpha(const ConvShape& s, const T* w, Scale scale);
 
 // y[batch, out_h, out_w, out_c] = conv2d(x_hat, W_hat).
 template <typename T>

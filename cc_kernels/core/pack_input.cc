@@ -1,26 +1,102 @@
 #include "pack_input.h"
 
+#include "amx_conv.h"
+
 #include <cmath>
 #include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#endif
 
 namespace tapehook {
+
+namespace {
+
+// One row: byte c / 4 holds channels 4 (c / 4) .. + 3, channel c's sign at
+// bit 7 - 2 (c % 4) and its mask just below.
+template <typename T>
+void PackRowPortable(const T* in, int64_t channels, T limit, uint8_t* out) {
+  for (int64_t b = 0; b * 4 < channels; ++b) {
+    unsigned byte = 0;
+    for (int64_t i = 0; i < 4; ++i) {
+      const int64_t c = 4 * b + i;
+      const unsigned bits =
+          c < channels ? ((in[c] >= T(0)) << 1) | (std::abs(in[c]) <= limit) : 0;
+      byte |= bits << (6 - 2 * i);
+    }
+    out[b] = static_cast<uint8_t>(byte);
+  }
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define TAPEHOOK_HAVE_PACK512 1
+// kPairReversed[v]: the four 2-bit groups of v in reverse order.
+struct PairReverseTable {
+  uint8_t v[256];
+  PairReverseTable() {
+    for (int i = 0; i < 256; ++i) {
+      v[i] = static_cast<uint8_t>(((i & 3) << 6) | ((i >> 2 & 3) << 4) |
+                                  ((i >> 4 & 3) << 2) | (i >> 6 & 3));
+    }
+  }
+};
+const PairReverseTable kPairReversed;
+
+// 16 channels at a time: the sign and mask compares give 16-bit masks, pdep
+// interleaves them into (sign, mask) pairs, the table puts each byte's four
+// pairs in the format's order.
+__attribute__((target("avx512f,bmi2"))) void PackRow512(const float* in,
+                                                         int64_t channels,
+                                                         float limit,
+                                                         uint8_t* out) {
+  const __m512 lim = _mm512_set1_ps(limit);
+  const __m512i abs_bits = _mm512_set1_epi32(0x7FFFFFFF);
+  int64_t c = 0;
+  for (; c + 16 <= channels; c += 16) {
+    const __m512 v = _mm512_loadu_ps(in + c);
+    const unsigned sign =
+        _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ);
+    const __m512 a = _mm512_castsi512_ps(
+        _mm512_and_si512(_mm512_castps_si512(v), abs_bits));
+    const unsigned mask = _mm512_cmp_ps_mask(a, lim, _CMP_LE_OQ);
+    const uint32_t pairs =
+        _pdep_u32(sign, 0xAAAAAAAAu) | _pdep_u32(mask, 0x55555555u);
+    for (int j = 0; j < 4; ++j) {
+      out[c / 4 + j] = kPairReversed.v[(pairs >> (8 * j)) & 0xFF];
+    }
+  }
+  PackRowPortable(in + c, channels - c, limit, out + c / 4);
+}
+#else
+#define TAPEHOOK_HAVE_PACK512 0
+#endif
+
+}  // namespace
 
 template <typename T>
 void PackSignMask(const T* x, int64_t rows, int64_t channels, double clip,
                   uint8_t* packed, const ParallelFor& parallel_for) {
   const int64_t bytes = PackedBytes(channels);
   const T limit = static_cast<T>(clip);
-  parallel_for(rows, channels * 4, [&](int64_t begin, int64_t end) {
+  bool wide = false;
+#if TAPEHOOK_HAVE_PACK512
+  wide = std::is_same<T, float>::value && __builtin_cpu_supports("avx512f") &&
+         __builtin_cpu_supports("bmi2");
+#endif
+  parallel_for(rows, channels * 2, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const T* in = x + r * channels;
-      uint8_t* out = packed + r * bytes;
-      std::memset(out, 0, bytes);
-      for (int64_t c = 0; c < channels; ++c) {
-        const int shift = 6 - 2 * static_cast<int>(c % 4);
-        const uint8_t bits = static_cast<uint8_t>(((in[c] >= T(0)) << 1) |
-                                                  (std::abs(in[c]) <= limit));
-        out[c / 4] |= static_cast<uint8_t>(bits << shift);
+#if TAPEHOOK_HAVE_PACK512
+      if constexpr (std::is_same<T, float>::value) {
+        if (wide) {
+          PackRow512(x + r * channels, channels, limit, packed + r * bytes);
+          continue;
+        }
       }
+#endif
+      PackRowPortable(x + r * channels, channels, limit, packed + r * bytes);
     }
   });
 }
@@ -41,6 +117,83 @@ void UnpackSignMask(const uint8_t* packed, int64_t rows, int64_t channels,
     }
   });
 }
+
+namespace {
+
+// A float input with the packed signs and masks: +-clip where the mask is
+// set, +-(2 clip + 1) where not, so sign() and 1{|t| <= clip} give them back.
+template <typename T>
+std::vector<T> StandIn(const ConvShape& s, const uint8_t* packed, double clip,
+                       const ParallelFor& parallel_for) {
+  const int64_t rows = s.batch * s.in_h * s.in_w, channels = s.in_c;
+  std::vector<T> x_hat(rows * channels), mask(rows * channels);
+  UnpackSignMask(packed, rows, channels, x_hat.data(), mask.data(),
+                 parallel_for);
+  const T in = static_cast<T>(clip), out = static_cast<T>(2 * clip + 1);
+  for (int64_t i = 0; i < rows * channels; ++i) {
+    x_hat[i] *= mask[i] != T(0) ? in : out;
+  }
+  return x_hat;
+}
+
+std::vector<float> AlphaFloats(const std::vector<double>& alpha, Scale scale) {
+  if (scale == Scale::kNone) return {};
+  return std::vector<float>(alpha.begin(), alpha.end());
+}
+
+}  // namespace
+
+template <typename T>
+void BinaryConv2DBackpropInputPacked(const ConvShape& s, const uint8_t* packed,
+                                     const T* w, const T* dy, double clip,
+                                     Scale scale, T* dx,
+                                     const ParallelFor& parallel_for) {
+  if constexpr (std::is_same<T, float>::value) {
+    if (amx::Usable() && amx::SupportsBackpropInput(s)) {
+      const std::vector<float> a = AlphaFloats(FilterAlpha(s, w, scale), scale);
+      if (amx::BackpropInputPacked(s, packed, w, dy, a.empty() ? nullptr : a.data(),
+                                   dx, parallel_for)) {
+        return;
+      }
+    }
+  }
+  const std::vector<T> x = StandIn<T>(s, packed, clip, parallel_for);
+  BinaryConv2DBackpropInput(s, x.data(), w, dy, Estimator::kSteSign, clip,
+                            scale, dx, parallel_for);
+}
+
+template <typename T>
+void BinaryConv2DBackpropFilterPacked(const ConvShape& s, const uint8_t* packed,
+                                      const T* w, const T* dy, Estimator w_est,
+                                      double clip, Scale scale, T* dw,
+                                      const ParallelFor& parallel_for) {
+  if constexpr (std::is_same<T, float>::value) {
+    if (amx::Usable() && amx::SupportsBackpropFilter(s)) {
+      const std::vector<float> a = AlphaFloats(FilterAlpha(s, w, scale), scale);
+      if (amx::BackpropFilterPacked(s, packed, w, dy, w_est, clip,
+                                    a.empty() ? nullptr : a.data(), dw,
+                                    parallel_for)) {
+        return;
+      }
+    }
+  }
+  const std::vector<T> x = StandIn<T>(s, packed, clip, parallel_for);
+  BinaryConv2DBackpropFilter(s, x.data(), w, dy, Estimator::kSteSign, w_est,
+                             clip, scale, dw, parallel_for);
+}
+
+template void BinaryConv2DBackpropInputPacked<float>(
+    const ConvShape&, const uint8_t*, const float*, const float*, double,
+    Scale, float*, const ParallelFor&);
+template void BinaryConv2DBackpropInputPacked<double>(
+    const ConvShape&, const uint8_t*, const double*, const double*, double,
+    Scale, double*, const ParallelFor&);
+template void BinaryConv2DBackpropFilterPacked<float>(
+    const ConvShape&, const uint8_t*, const float*, const float*, Estimator,
+    double, Scale, float*, const ParallelFor&);
+template void BinaryConv2DBackpropFilterPacked<double>(
+    const ConvShape&, const uint8_t*, const double*, const double*, Estimator,
+    double, Scale, double*, const ParallelFor&);
 
 template void PackSignMask<float>(const float*, int64_t, int64_t, double,
                                   uint8_t*, const ParallelFor&);

@@ -288,6 +288,96 @@ class UnpackInputOp : public OpKernel {
   int64_t channels_;
 };
 
+REGISTER_OP("TapehookBinaryConv2DBackpropInputPacked")
+    .Input("packed: uint8")
+    .Input("filter: T")
+    .Input("out_backprop: T")
+    .Output("input_backprop: T")
+    .TAPEHOOK_CONV_ATTRS
+    .Attr("channels: int")
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      int64_t channels;
+      TF_RETURN_IF_ERROR(c->GetAttr("channels", &channels));
+      shape_inference::ShapeHandle in = c->input(0), prefix, out;
+      TF_RETURN_IF_ERROR(c->WithRank(in, 4, &in));
+      TF_RETURN_IF_ERROR(c->Subshape(in, 0, -1, &prefix));
+      TF_RETURN_IF_ERROR(c->Concatenate(prefix, c->Vector(channels), &out));
+      c->set_output(0, out);
+      return absl::OkStatus();
+    })
+    .Doc("TapehookBinaryConv2DBackpropInput of a ste_sign binary-activation "
+         "conv whose input is given as TapehookPackInput bits.");
+
+REGISTER_OP("TapehookBinaryConv2DBackpropFilterPacked")
+    .Input("packed: uint8")
+    .Input("filter: T")
+    .Input("out_backprop: T")
+    .Output("filter_backprop: T")
+    .TAPEHOOK_CONV_ATTRS
+    .Attr("channels: int")
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      c->set_output(0, c->input(1));
+      return absl::OkStatus();
+    })
+    .Doc("TapehookBinaryConv2DBackpropFilter of a ste_sign binary-activation "
+         "conv whose input is given as TapehookPackInput bits.");
+
+// The backprops reading the input as packed bits (core/pack_input.h).
+template <typename T, bool kFilter>
+class PackedBackpropOp : public OpKernel {
+ public:
+  explicit PackedBackpropOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ParseAttrs(ctx, &attrs_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("channels", &channels_));
+    OP_REQUIRES(ctx, attrs_.act_est == Estimator::kSteSign,
+                errors::InvalidArgument(
+                    "packed input bits hold the ste_sign mask only; use "
+                    "activation_estimator='ste_sign'"));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& packed = ctx->input(0);
+    OP_REQUIRES(ctx, packed.dims() == 4 &&
+                         packed.dim_size(3) == PackedBytes(channels_),
+                errors::InvalidArgument("packed input ",
+                                        packed.shape().DebugString(),
+                                        " does not hold ", channels_,
+                                        " channels"));
+    TensorShape x_shape = packed.shape();
+    x_shape.set_dim(3, channels_);
+    const Tensor& w = ctx->input(1);
+    ConvShape s;
+    OP_REQUIRES_OK(ctx, MakeShape(attrs_, x_shape, w.shape(), &s));
+    OP_REQUIRES_OK(ctx, CheckOutBackprop(s, ctx->input(2)));
+    Tensor* grad = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, kFilter ? w.shape() : x_shape,
+                                             &grad));
+    if (grad->NumElements() == 0) return;
+    Widened<T> ww(w), dyw(ctx->input(2));
+    WidenedOut<T> out(grad);
+    const uint8_t* bits = packed.flat<uint8_t>().data();
+    if (kFilter) {
+      BinaryConv2DBackpropFilterPacked(s, bits, ww.data(), dyw.data(),
+                                       attrs_.weight_est, attrs_.clip,
+                                       attrs_.scale, out.data(),
+                                       ThreadPoolOf(ctx));
+    } else {
+      BinaryConv2DBackpropInputPacked(s, bits, ww.data(), dyw.data(),
+                                      attrs_.clip, attrs_.scale, out.data(),
+                                      ThreadPoolOf(ctx));
+    }
+    out.Store();
+    CountDispatch(kFilter ? kBackpropFilter : kBackpropInput);
+  }
+
+ private:
+  ConvAttrs attrs_;
+  int64_t channels_;
+};
+
+template <typename T>
+using PackedBackpropInputOp = PackedBackpropOp<T, false>;
+template <typename T>
+using PackedBackpropFilterOp = PackedBackpropOp<T, true>;
 template <typename T>
 using BackpropInputOp = BinaryConv2DBackpropOp<T, false>;
 template <typename T>
@@ -311,7 +401,15 @@ using BackpropFilterOp = BinaryConv2DBackpropOp<T, true>;
       PackInputOp<T>);                                                      \
   REGISTER_KERNEL_BUILDER(                                                  \
       Name("TapehookUnpackInput").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
-      UnpackInputOp<T>);
+      UnpackInputOp<T>);                                                    \
+  REGISTER_KERNEL_BUILDER(Name("TapehookBinaryConv2DBackpropInputPacked")   \
+                              .Device(DEVICE_CPU)                           \
+                              .TypeConstraint<T>("T"),                      \
+                          PackedBackpropInputOp<T>);                        \
+  REGISTER_KERNEL_BUILDER(Name("TapehookBinaryConv2DBackpropFilterPacked")  \
+                              .Device(DEVICE_CPU)                           \
+                              .TypeConstraint<T>("T"),                      \
+                          PackedBackpropFilterOp<T>);
 
 REGISTER_CPU(Eigen::half);
 REGISTER_CPU(Eigen::bfloat16);

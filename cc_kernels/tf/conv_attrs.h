@@ -67,13 +67,14 @@ inline absl::Status ParseAttrs(::tensorflow::OpKernelConstruction* ctx,
 }
 
 inline absl::Status MakeShape(const ConvAttrs& a,
-                              const ::tensorflow::Tensor& x,
-                              const ::tensorflow::Tensor& w, ConvShape* s) {
+                              const ::tensorflow::TensorShape& x,
+                              const ::tensorflow::TensorShape& w,
+                              ConvShape* s) {
   namespace errors = ::tensorflow::errors;
   if (x.dims() != 4 || w.dims() != 4) {
     return errors::InvalidArgument("binary Conv2D needs a 4-D input and a 4-D "
-                                   "filter, got ", x.shape().DebugString(),
-                                   " and ", w.shape().DebugString());
+                                   "filter, got ", x.DebugString(), " and ",
+                                   w.DebugString());
   }
   if (x.dim_size(3) != w.dim_size(2)) {
     return errors::InvalidArgument("input depth ", x.dim_size(3),
@@ -115,7 +116,8 @@ inline absl::Status CheckOutBackprop(const ConvShape& s,
 inline absl::Status PrepareForward(::tensorflow::OpKernelContext* ctx,
                                    const ConvAttrs& a, ConvShape* s,
                                    ::tensorflow::Tensor** y) {
-  TF_RETURN_IF_ERROR(MakeShape(a, ctx->input(0), ctx->input(1), s));
+  TF_RETURN_IF_ERROR(
+      MakeShape(a, ctx->input(0).shape(), ctx->input(1).shape(), s));
   return ctx->allocate_output(
       0, ::tensorflow::TensorShape({s->batch, s->out_h, s->out_w, s->out_c}), y);
 }
@@ -127,7 +129,7 @@ inline absl::Status PrepareBackprop(::tensorflow::OpKernelContext* ctx,
                                     ConvShape* s, ::tensorflow::Tensor** grad) {
   const ::tensorflow::Tensor& x = ctx->input(0);
   const ::tensorflow::Tensor& w = ctx->input(1);
-  TF_RETURN_IF_ERROR(MakeShape(a, x, w, s));
+  TF_RETURN_IF_ERROR(MakeShape(a, x.shape(), w.shape(), s));
   TF_RETURN_IF_ERROR(CheckOutBackprop(*s, ctx->input(2)));
   return ctx->allocate_output(0, filter_grad ? w.shape() : x.shape(), grad);
 }

@@ -9,7 +9,10 @@
 //   g++ -std=c++17 -O2 -I. tests/cc/test_amx_conv.cc cc_kernels/core/*.cc
 //       -lpthread -o /tmp/t && /tmp/t
 //
-// Prints "amx: skipped" on CPUs without AMX.
+// Also: the backprops that read the input as packed sign / mask bits
+// (pack_input.h) give the same bits as the float-input ones, with and
+// without AMX. Prints "amx: skipped" for the exactness part on CPUs without
+// AMX.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -20,6 +23,7 @@
 
 #include "cc_kernels/core/amx_conv.h"
 #include "cc_kernels/core/binary_conv.h"
+#include "cc_kernels/core/pack_input.h"
 
 namespace {
 
@@ -155,14 +159,78 @@ void TestBackpropFilterSinglePixel(std::mt19937_64& rng) {
   }
 }
 
+// Packed-input backprops == float-input backprops with act_est = ste_sign,
+// bitwise: both read only sign(x) and 1{|x| <= clip}.
+void TestPackedBackprops(std::mt19937_64& rng, int cases) {
+  std::uniform_int_distribution<int> pick(0, 1 << 20);
+  std::normal_distribution<float> normal(0.0f, 1.2f);
+  for (int i = 0; i < cases; ++i) {
+    ConvShape s;
+    s.batch = 1 + pick(rng) % 2;
+    s.in_h = 3 + pick(rng) % 9, s.in_w = 3 + pick(rng) % 9;
+    const int64_t channels[] = {1, 3, 16, 33, 64};
+    s.in_c = channels[pick(rng) % 5];
+    s.out_c = channels[pick(rng) % 5];
+    s.k_h = 1 + pick(rng) % 3, s.k_w = 1 + pick(rng) % 3;
+    s.stride_h = s.stride_w = 1 + (pick(rng) % 4 == 0);
+    s.dil_h = 1 + (pick(rng) % 4 == 0);
+    const tapehook::Padding padding =
+        pick(rng) % 2 ? tapehook::Padding::kSame : tapehook::Padding::kValid;
+    if (!tapehook::ComputeConvGeometry(padding, 0, 0, 0, 0, &s).empty()) {
+      continue;
+    }
+    const double clip = i % 3 == 0 ? 0.5 : 1.0;
+    std::vector<float> x(s.batch * s.in_h * s.in_w * s.in_c);
+    std::vector<float> w(s.k_h * s.k_w * s.in_c * s.out_c);
+    std::vector<float> dy(s.batch * s.out_h * s.out_w * s.out_c);
+    for (float& t : x) t = normal(rng);
+    for (float& t : w) t = normal(rng);
+    for (float& t : dy) t = normal(rng);
+    x[0] = 0.0f;
+    std::vector<uint8_t> packed(s.batch * s.in_h * s.in_w *
+                                tapehook::PackedBytes(s.in_c));
+    tapehook::PackSignMask(x.data(), s.batch * s.in_h * s.in_w, s.in_c, clip,
+                           packed.data(), kSerial);
+    const auto scale = i % 2 ? tapehook::Scale::kMeanAbs : tapehook::Scale::kNone;
+    std::vector<float> want(x.size()), got(x.size());
+    tapehook::BinaryConv2DBackpropInput(s, x.data(), w.data(), dy.data(),
+                                        Estimator::kSteSign, clip, scale,
+                                        want.data(), kSerial);
+    tapehook::BinaryConv2DBackpropInputPacked(s, packed.data(), w.data(),
+                                              dy.data(), clip, scale,
+                                              got.data(), kSerial);
+    Check(std::memcmp(want.data(), got.data(), 4 * want.size()) == 0,
+          "packed backprop-input == float-input one");
+    std::vector<float> want_w(w.size()), got_w(w.size());
+    tapehook::BinaryConv2DBackpropFilter(s, x.data(), w.data(), dy.data(),
+                                         Estimator::kSteSign,
+                                         Estimator::kSteSign, clip, scale,
+                                         want_w.data(), kSerial);
+    tapehook::BinaryConv2DBackpropFilterPacked(s, packed.data(), w.data(),
+                                               dy.data(), Estimator::kSteSign,
+                                               clip, scale, got_w.data(),
+                                               kSerial);
+    Check(std::memcmp(want_w.data(), got_w.data(), 4 * want_w.size()) == 0,
+          "packed backprop-filter == float-input one");
+  }
+}
+
 }  // namespace
 
 int main() {
-  if (!tapehook::amx::Usable()) {
-    std::printf("amx: skipped (no AMX on this CPU or TAPEHOOK_NO_AMX set)\n");
-    return 0;
-  }
   std::mt19937_64 rng(20261130);
+  const bool amx = tapehook::amx::Usable();
+  TestPackedBackprops(rng, 60);
+  if (amx) {  // once more on the non-AMX kernels
+    setenv("TAPEHOOK_NO_AMX", "1", /*overwrite=*/1);
+    TestPackedBackprops(rng, 60);
+    unsetenv("TAPEHOOK_NO_AMX");
+  }
+  std::printf("packed: %d failures\n", g_failures);
+  if (!amx) {
+    std::printf("amx: skipped (no AMX on this CPU or TAPEHOOK_NO_AMX set)\n");
+    return g_failures == 0 ? 0 : 1;
+  }
   for (int round = 0; round < 20; ++round) {
     TestForwardSingleProduct(rng);
     TestBackpropInputSingleProduct(rng);

@@ -580,6 +580,141 @@ void TestEmptyBatch() {
   }
 }
 
+// The fully binary forward has three tiers of inner loops (AVX-512
+// VPOPCNTDQ, AVX2, portable), picked per call from the CPU and the
+// TAPEHOOK_NO_AVX512 / TAPEHOOK_NO_AVX2 variables. Each must match the
+// reference, and all must agree bitwise (they compute the same integer dot
+// products and the same alpha). Channel counts straddle the 64-bit words and
+// the 8 / 32-channel register tiles; shapes mix padding modes, strides,
+// dilations and enough pixels for several blocks with ragged row tiles. The
+// last cases have inputs of over 2^18 values, which the AVX-512 tier packs
+// band by band inside its units (1x1 convs block by block, at any size). x
+// also holds -0 (sign +1) and NaN (sign -1, as !(x >= 0)). On a CPU without
+// AVX-512 (or AVX2) the forced-off tiers just repeat the next one down.
+void TestBitpackedTiers() {
+  struct Tier {
+    const char* name;
+    bool no_avx512, no_avx2;
+  };
+  const Tier tiers[] = {{"cpu best", false, false},
+                        {"TAPEHOOK_NO_AVX512=1", true, false},
+                        {"TAPEHOOK_NO_AVX2=1", false, true}};
+  const char* saved[2] = {std::getenv("TAPEHOOK_NO_AVX512"),
+                          std::getenv("TAPEHOOK_NO_AVX2")};
+  const std::string saved_str[2] = {saved[0] ? saved[0] : "",
+                                    saved[1] ? saved[1] : ""};
+  auto set_tier = [](const Tier& t) {
+    if (t.no_avx512) {
+      setenv("TAPEHOOK_NO_AVX512", "1", 1);
+    } else {
+      unsetenv("TAPEHOOK_NO_AVX512");
+    }
+    if (t.no_avx2) {
+      setenv("TAPEHOOK_NO_AVX2", "1", 1);
+    } else {
+      unsetenv("TAPEHOOK_NO_AVX2");
+    }
+  };
+  constexpr int kSmallCases = 60, kCases = 70;
+  std::mt19937_64 rng(20250301);
+  int passed = 0;
+  for (int i = 0; i < kCases; ++i) {
+    const bool large = i >= kSmallCases;
+    Problem pr;
+    pr.act_est = Estimator::kSteSign;
+    pr.w_est = Estimator::kSteSign;
+    pr.scale = i % 2 ? Scale::kMeanAbs : Scale::kNone;
+    pr.clip = 1.0;
+    ConvShape& s = pr.s;
+    while (true) {
+      s = ConvShape();
+      s.batch = Pick<int64_t>(rng, {1, 2});
+      s.in_c = large ? Pick<int64_t>(rng, {65, 130, 200})
+                     : Pick<int64_t>(rng, {1, 63, 64, 65, 130, 200});
+      s.out_c = large ? Pick<int64_t>(rng, {1, 9, 33, 40})
+                      : Pick<int64_t>(rng, {1, 7, 8, 9, 20, 31, 33, 50, 64,
+                                            100});
+      const int kernel = Pick<int>(rng, {0, 1, 1, 2, 3, 4});
+      const int64_t kh[] = {1, 3, 2, 3, 5}, kw[] = {1, 3, 3, 1, 5};
+      s.k_h = kh[kernel], s.k_w = kw[kernel];
+      s.stride_h = Pick<int64_t>(rng, {1, 1, 2});
+      s.stride_w = Pick<int64_t>(rng, {1, 1, 2});
+      s.dil_h = Pick<int64_t>(rng, {1, 1, 2});
+      s.dil_w = Pick<int64_t>(rng, {1, 1, 2});
+      std::uniform_int_distribution<int64_t> size(large ? 20 : 1,
+                                                  large ? 36 : 13);
+      std::uniform_int_distribution<int64_t> pad(0, 2);
+      s.in_h = size(rng), s.in_w = size(rng);
+      while (large && s.batch * s.in_h * s.in_w * s.in_c < (1 << 18)) {
+        ++s.batch;
+      }
+      const Padding padding = Pick<Padding>(
+          rng, {Padding::kSame, Padding::kValid, Padding::kExplicit});
+      if (tapehook::ComputeConvGeometry(padding, pad(rng), pad(rng), pad(rng),
+                                        pad(rng), &s)
+              .empty()) {
+        break;
+      }
+    }
+    pr.x.resize(s.batch * s.in_h * s.in_w * s.in_c);
+    pr.w.resize(s.k_h * s.k_w * s.in_c * s.out_c);
+    std::uniform_real_distribution<double> u(0, 1);
+    for (double& v : pr.x) {
+      const double r = u(rng);
+      v = r < 0.03   ? -0.0
+          : r < 0.05 ? std::numeric_limits<double>::quiet_NaN()
+                     : Value(rng, pr.clip);
+    }
+    for (double& v : pr.w) v = u(rng) < 0.03 ? -0.0 : Value(rng, pr.clip);
+    const Ref y_ref = RefForward(pr);
+    const bool is_float = i % 4 != 3;
+    bool ok = true;
+    auto run = [&](auto zero) {
+      using T = decltype(zero);
+      const std::vector<T> x = Cast<T>(pr.x), w = Cast<T>(pr.w);
+      std::vector<T> y0;
+      for (const Tier& tier : tiers) {
+        set_tier(tier);
+        for (const NamedFor& f : AllFors()) {
+          const std::string tag =
+              std::string(" [") + tier.name + ", " + f.name + "]";
+          std::vector<T> y = NaNs<T>(y_ref.val.size());
+          tapehook::BinaryConv2DForward<T>(s, x.data(), w.data(),
+                                           /*binary_input=*/true, pr.scale,
+                                           y.data(), f.pf);
+          ok &= Matches("bitpacked forward" + tag, y, y_ref);
+          if (y0.empty()) {
+            y0 = y;
+          } else if (!BitwiseEqual(y.data(), y0.data(), y.size() * sizeof(T))) {
+            std::printf("  bitpacked forward%s differs bitwise from the "
+                        "first tier\n",
+                        tag.c_str());
+            ok = false;
+          }
+        }
+      }
+    };
+    if (is_float) {
+      run(0.0f);
+    } else {
+      run(0.0);
+    }
+    CHECK(ok, "bitpacked forward tiers, case %d: %s", i,
+          Describe(pr, is_float).c_str());
+    passed += ok;
+  }
+  for (int k = 0; k < 2; ++k) {
+    const char* name = k == 0 ? "TAPEHOOK_NO_AVX512" : "TAPEHOOK_NO_AVX2";
+    if (saved[k] != nullptr) {
+      setenv(name, saved_str[k].c_str(), 1);
+    } else {
+      unsetenv(name);
+    }
+  }
+  std::printf("binary_conv [bitpacked forward, 3 tiers]: %d/%d cases passed\n",
+              passed, kCases);
+}
+
 // Runs the random sweep once; returns the number of failed cases.
 int RunSweep(const char* isa) {
   constexpr int kCases = 320;
@@ -608,6 +743,7 @@ int main() {
   TestGeometry();
   TestParsingAndEstimators();
   TestEmptyBatch();
+  TestBitpackedTiers();
 
   // The core picks AVX2 kernels at run time when the CPU has them, unless
   // TAPEHOOK_NO_AVX2 is set: sweep with the CPU's best ISA, then with the
