@@ -218,7 +218,7 @@ def _binary_backward(x, w, dy, spec, attrs, skip):
     # Each backprop takes its own path (the dispatcher may split them).
     paths = [None if i in skip else dispatch.backprop_path(
         attrs, dy.dtype.name, x_shape, w.shape, filter_grad=bool(i),
-        binary_input=spec.activations) for i in (0, 1)]
+        binary_input=spec.activations, packed=packed is not None) for i in (0, 1)]
     grads = [None, None]
     if packed is not None:
         # The kernels read the packed sign / mask bits directly; stock ops get

@@ -12,8 +12,10 @@ TF with oneDNN on and off (README, "Speed"):
   faster than stock on every measured shape;
 - convolutions with a float operand (the weight-only forward, both
   backprops) on a CPU with Intel AMX (``kernels.amx_usable()``), stride 1,
-  float32 / float16 / bfloat16, SAME or VALID padding, at least
-  AMX_MIN_TAPS kernel taps and AMX_MIN_PIXELS input pixels (batch x H x W):
+  float32 / float16 / bfloat16, SAME or VALID padding and at least
+  AMX_MIN_PIXELS input pixels (batch x H x W; AMX_MIN_PIXELS_FILTER for
+  dW), backprops also at least AMX_MIN_TAPS kernel taps unless the input
+  was kept as packed bits:
   tapehook's kernels, which run them as exact bf16x3 AMX GEMMs
   (cc_kernels/core/amx_conv.h) — except the dW of a weight-only conv (float x
   times float dy, six bf16 products per term) when TF runs oneDNN, whose
@@ -44,24 +46,33 @@ def policy() -> str:
 
 # The AMX kernels split their float operand and pack sign(W) before the GEMM;
 # below these sizes that preparation outweighs the GEMM and stock convs win
-# (bench: 1x1 convs 0.7-0.9x, batch-1 14x14 0.7-1.0x).
+# (bench: batch-1 14x14 0.6-0.95x; 1x1 backprops 0.95-1.0x, 1x1 forward 1.3x).
 AMX_MIN_TAPS = 4
 AMX_MIN_PIXELS = 512
+# dW also reads W and writes dW once per call, whatever the batch: with few
+# pixels per weight that dominates (bench: 7x7x512 batch 16, 784 pixels,
+# 0.86x; 14x14x256, 3136 pixels, 1.22x).
+AMX_MIN_PIXELS_FILTER = 2048
 
 
-def _amx_fits(attrs, dtype, x_shape=None, w_shape=None) -> bool:
+def _known(shape, dims):
+    return (shape is not None and len(shape) == 4
+            and None not in tuple(shape[:dims]))
+
+
+def _amx_fits(attrs, dtype, x_shape=None, w_shape=None, min_taps=1,
+              min_pixels=AMX_MIN_PIXELS) -> bool:
     """Whether the AMX kernels take this conv (mirrors amx::Supports*) and it
     is big enough for them to beat stock. Unknown dims count as large."""
     from tapehook import kernels  # kernels imports TF; keep this module light
 
     if attrs is None or dtype is None:
         return False
-    if x_shape is not None and len(x_shape) == 4 and None not in tuple(x_shape[:3]):
-        if int(x_shape[0]) * int(x_shape[1]) * int(x_shape[2]) < AMX_MIN_PIXELS:
-            return False
-    if w_shape is not None and len(w_shape) == 4 and None not in tuple(w_shape[:2]):
-        if int(w_shape[0]) * int(w_shape[1]) < AMX_MIN_TAPS:
-            return False
+    if _known(x_shape, 3) and (int(x_shape[0]) * int(x_shape[1]) * int(x_shape[2])
+                               < min_pixels):
+        return False
+    if _known(w_shape, 2) and int(w_shape[0]) * int(w_shape[1]) < min_taps:
+        return False
     return (all(s == 1 for s in attrs["strides"])
             and attrs["padding"] in ("SAME", "VALID")
             and dtype in ("float32", "float16", "bfloat16")
@@ -80,15 +91,20 @@ def forward_path(spec, attrs=None, dtype=None, x_shape=None, w_shape=None) -> st
 
 
 def backprop_path(attrs, dtype=None, x_shape=None, w_shape=None,
-                  filter_grad=False, binary_input=True) -> str:
+                  filter_grad=False, binary_input=True, packed=False) -> str:
     """Path of one backprop: filter_grad selects dW (else dX); binary_input
-    says whether x enters it as sign(x)."""
+    says whether x enters it as sign(x); packed, whether the backward kept
+    packed input bits (which stock ops need unpacked first)."""
     chosen = policy()
     if chosen != "auto":
         return chosen
     if any(d != 1 for d in attrs["dilations"]):
         return KERNELS
-    if not _amx_fits(attrs, dtype, x_shape, w_shape):
+    # 1x1 backprops run about as fast as stock on AMX: take them when the
+    # kernels save unpacking the input bits.
+    min_taps = 1 if packed else AMX_MIN_TAPS
+    min_pixels = AMX_MIN_PIXELS_FILTER if filter_grad else AMX_MIN_PIXELS
+    if not _amx_fits(attrs, dtype, x_shape, w_shape, min_taps, min_pixels):
         return STOCK
     # dW of a weight-only conv is float x float: no exact operand, so AMX needs
     # six bf16 products per term, slower than oneDNN's backprop-filter.

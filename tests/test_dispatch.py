@@ -40,9 +40,9 @@ def test_auto_routes_and_matches_reference(monkeypatch, mode, activations, dilat
         compiled, reference = (dict(ONE, backprop_filter=0),
                                dict(NONE, backprop_filter=1))
     spec = tapehook.BinarySpec(activations=activations, scale="mean_abs")
-    # 2 x 16 x 16 = AMX_MIN_PIXELS: big enough for the AMX route
-    x, w0 = random_inputs((2, 16, 16, 3), (3, 3, 3, 4))
-    out = 16 if stride == 1 else 8
+    # 2 x 32 x 32 = AMX_MIN_PIXELS_FILTER: big enough for every AMX route
+    x, w0 = random_inputs((2, 32, 32, 3), (3, 3, 3, 4))
+    out = 32 if stride == 1 else 16
     g = upstream((2, out, out, 4), tf.float32)
     conv = dict(padding="SAME", dilations=dilation, strides=stride)
     y, dx, dw = MODES[mode](x, w0, g, conv,
@@ -57,24 +57,35 @@ def test_auto_routes_and_matches_reference(monkeypatch, mode, activations, dilat
     assert counts["compiled"] == compiled and counts["reference"] == reference
 
 
-@pytest.mark.parametrize("x_shape,w_shape", [
-    ((2, 16, 16, 3), (1, 1, 3, 4)),    # 1x1: fewer taps than AMX_MIN_TAPS
-    ((1, 15, 15, 3), (3, 3, 3, 4)),    # fewer pixels than AMX_MIN_PIXELS
+@pytest.mark.parametrize("activations,x_shape,w_shape,compiled", [
+    # 1x1: the forward on AMX, backprops on stock (fewer taps than
+    # AMX_MIN_TAPS) unless the input was kept packed
+    (False, (2, 16, 16, 3), (1, 1, 3, 4), dict(NONE, forward=1)),
+    (True, (2, 32, 32, 3), (1, 1, 3, 4), ONE),
+    # dW wants more pixels (AMX_MIN_PIXELS_FILTER) than the rest
+    (True, (2, 16, 16, 3), (3, 3, 3, 4), dict(ONE, backprop_filter=0)),
+    # fewer pixels than AMX_MIN_PIXELS: stock (the bitpacked forward aside)
+    (False, (1, 15, 15, 3), (3, 3, 3, 4), NONE),
+    (True, (1, 15, 15, 3), (3, 3, 3, 4), dict(NONE, forward=1)),
 ])
-def test_auto_keeps_small_float_convs_on_stock(monkeypatch, x_shape, w_shape):
+def test_auto_keeps_small_float_convs_on_stock(monkeypatch, activations, x_shape,
+                                               w_shape, compiled):
     monkeypatch.setenv("TAPEHOOK_DISPATCH", "auto")
     if not tapehook.kernel_info()["cpu"].get("amx"):
         pytest.skip("this CPU (or build) has no AMX kernels")
     x, w0 = random_inputs(x_shape, w_shape)
     g = upstream(x_shape[:3] + w_shape[3:], tf.float32)
+    spec = tapehook.BinarySpec(activations=activations, scale="mean_abs")
     y, dx, dw = MODES["eager"](x, w0, g, dict(padding="SAME"),
-                               lambda w: tapehook.mark_binary(w, scale="mean_abs"))
-    ry, rdx, rdw = reference_result(x, w0, tapehook.BinarySpec(scale="mean_abs"), g)
+                               lambda w: tapehook.mark_binary(
+                                   w, activations=activations, scale="mean_abs"))
+    ry, rdx, rdw = reference_result(x, w0, spec, g)
     assert_close(y, ry, what="forward")
     assert_close(dx, rdx, what="dX")
     assert_close(dw, rdw, what="dW")
     counts = tapehook.dispatch_counts()
-    assert counts["compiled"] == NONE and counts["reference"] == ONE
+    reference = {k: 1 - v for k, v in compiled.items()}
+    assert counts["compiled"] == compiled and counts["reference"] == reference
 
 
 def test_stock_policy_and_bad_policy(monkeypatch):

@@ -101,19 +101,81 @@ void PackSignMask(const T* x, int64_t rows, int64_t channels, double clip,
   });
 }
 
+namespace {
+
+template <typename T>
+void UnpackRowPortable(const uint8_t* in, int64_t channels, T* x_hat,
+                       T* mask) {
+  for (int64_t c = 0; c < channels; ++c) {
+    const int bits = (in[c / 4] >> (6 - 2 * static_cast<int>(c % 4))) & 3;
+    x_hat[c] = (bits & 2) ? T(1) : T(-1);
+    mask[c] = (bits & 1) ? T(1) : T(0);
+  }
+}
+
+#if TAPEHOOK_HAVE_PACK512
+// kNibbles[b]: the four sign bits (low nibble) and four mask bits (high
+// nibble) of packed byte b, channel i at bit i of each nibble.
+struct UnpackTable {
+  uint8_t v[256];
+  UnpackTable() {
+    for (int b = 0; b < 256; ++b) {
+      int sign = 0, mask = 0;
+      for (int i = 0; i < 4; ++i) {
+        sign |= (b >> (7 - 2 * i) & 1) << i;
+        mask |= (b >> (6 - 2 * i) & 1) << i;
+      }
+      v[b] = static_cast<uint8_t>(sign | mask << 4);
+    }
+  }
+};
+const UnpackTable kNibbles;
+
+__attribute__((target("avx512f"))) void UnpackRow512(const uint8_t* in,
+                                                      int64_t channels,
+                                                      float* x_hat,
+                                                      float* mask) {
+  const __m512 one = _mm512_set1_ps(1.0f), minus_one = _mm512_set1_ps(-1.0f);
+  int64_t c = 0;
+  for (; c + 16 <= channels; c += 16) {
+    unsigned sign = 0, keep = 0;
+    for (int j = 0; j < 4; ++j) {
+      const unsigned n = kNibbles.v[in[c / 4 + j]];
+      sign |= (n & 15u) << (4 * j);
+      keep |= (n >> 4) << (4 * j);
+    }
+    _mm512_storeu_ps(x_hat + c, _mm512_mask_blend_ps(
+                                    static_cast<__mmask16>(sign), minus_one, one));
+    _mm512_storeu_ps(mask + c,
+                     _mm512_maskz_mov_ps(static_cast<__mmask16>(keep), one));
+  }
+  UnpackRowPortable(in + c / 4, channels - c, x_hat + c, mask + c);
+}
+#endif
+
+}  // namespace
+
 template <typename T>
 void UnpackSignMask(const uint8_t* packed, int64_t rows, int64_t channels,
                     T* x_hat, T* mask, const ParallelFor& parallel_for) {
   const int64_t bytes = PackedBytes(channels);
-  parallel_for(rows, channels * 4, [&](int64_t begin, int64_t end) {
+  bool wide = false;
+#if TAPEHOOK_HAVE_PACK512
+  wide = std::is_same<T, float>::value && __builtin_cpu_supports("avx512f");
+#endif
+  parallel_for(rows, channels * 2, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const uint8_t* in = packed + r * bytes;
-      for (int64_t c = 0; c < channels; ++c) {
-        const int shift = 6 - 2 * static_cast<int>(c % 4);
-        const int bits = (in[c / 4] >> shift) & 3;
-        x_hat[r * channels + c] = (bits & 2) ? T(1) : T(-1);
-        mask[r * channels + c] = (bits & 1) ? T(1) : T(0);
+#if TAPEHOOK_HAVE_PACK512
+      if constexpr (std::is_same<T, float>::value) {
+        if (wide) {
+          UnpackRow512(packed + r * bytes, channels, x_hat + r * channels,
+                       mask + r * channels);
+          continue;
+        }
       }
+#endif
+      UnpackRowPortable(packed + r * bytes, channels, x_hat + r * channels,
+                        mask + r * channels);
     }
   });
 }
