@@ -21,7 +21,8 @@ SWISH_BETA = 5.0
 
 def sign(t):
     """+1 where t >= 0, else -1 (zero maps to +1), in t's dtype."""
-    return tf.where(t >= 0, tf.ones_like(t), -tf.ones_like(t))
+    one = tf.constant(1, t.dtype)
+    return tf.where(t >= 0, one, -one)  # scalars broadcast: one pass over t
 
 
 def estimator_grad(name, t, clip):
@@ -70,16 +71,17 @@ def _masked(grad, name, t, clip):
 
 
 def binary_conv2d_backward(x, w, dy, spec, strides, padding, explicit_paddings,
-                           dilations, need_dx=True, need_dw=True):
+                           dilations, need_dx=True, need_dw=True, w_parts=None):
     """(dX, dW) of the binary conv from stock conv gradients; None where not needed.
 
     dX = conv2d_backprop_input(alpha sign W, dY) [* e'(x)] and
     dW = conv2d_backprop_filter(x_hat, dY) * alpha * e'(W). Undilated convs call
     the stock backprop ops directly; TF's CPU backprops reject dilations, so a
     dilated conv differentiates tf.nn.convolution (SpaceToBatchND) instead.
+    ``w_parts``: (sign W, alpha) when the forward already computed them.
     """
-    a = alpha(w, spec.scale)
-    w_hat = sign(w) * a
+    w_sign, a = w_parts if w_parts is not None else (sign(w), alpha(w, spec.scale))
+    w_hat = w_sign * a
     dilated = any(d != 1 for d in dilations)
     x_hat = binarize_input(x, spec) if need_dw or dilated else None
     if dilated:
@@ -103,11 +105,11 @@ def binary_conv2d_backward(x, w, dy, spec, strides, padding, explicit_paddings,
     return (dx if need_dx else None), (dw if need_dw else None)
 
 
-def _forward(x_hat, w_sign, w, spec, strides, padding, explicit_paddings, dilations):
+def _forward(x_hat, w_sign, a, spec, strides, padding, explicit_paddings, dilations):
     """conv(x_hat, alpha sign W), computed as conv(x_hat, sign W) * alpha: with
     binary inputs the conv sums exact integers, as the bitpacked kernels do."""
     y = float_conv2d(x_hat, w_sign, strides, padding, explicit_paddings, dilations)
-    return y * alpha(w, spec.scale) if spec.scale else y
+    return y * a if spec.scale else y
 
 
 def binary_conv2d(x, w, spec, strides=(1, 1, 1, 1), padding="SAME",
@@ -120,14 +122,16 @@ def binary_conv2d(x, w, spec, strides=(1, 1, 1, 1), padding="SAME",
 
     @tf.custom_gradient
     def conv(x, w):
-        y = _forward(binarize_input(x, spec), sign(w), w, spec, strides, padding,
-                     explicit_paddings, dilations)
+        # sign W and alpha once, for the forward and the backward
+        w_parts = (sign(w), alpha(w, spec.scale))
+        y = _forward(binarize_input(x, spec), w_parts[0], w_parts[1], spec, strides,
+                     padding, explicit_paddings, dilations)
 
         def grad(dy):
             if on_backward is not None:
                 on_backward()
             return binary_conv2d_backward(x, w, dy, spec, strides, padding,
-                                          explicit_paddings, dilations)
+                                          explicit_paddings, dilations, w_parts=w_parts)
 
         return y, grad
 
