@@ -398,6 +398,25 @@ inline void Transpose8x8(const uint16_t* src, int64_t ld_src, uint16_t* dst,
 #endif
 }
 
+// out[2 i + e] = (e ? r1 : r0)[i] for i < 16 (SSE2).
+inline void InterleaveRows16(const uint16_t* r0, const uint16_t* r1,
+                             uint16_t* out) {
+#if defined(__SSE2__)
+  for (int h = 0; h < 2; ++h) {
+    const __m128i a =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(r0 + 8 * h));
+    const __m128i b =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(r1 + 8 * h));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * h),
+                     _mm_unpacklo_epi16(a, b));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * h + 8),
+                     _mm_unpackhi_epi16(a, b));
+  }
+#else
+  for (int i = 0; i < 16; ++i) out[2 * i] = r0[i], out[2 * i + 1] = r1[i];
+#endif
+}
+
 inline float ActGrad(Estimator e, float x, double clip) {
   if (e == Estimator::kNone) return 1.0f;
   if (e == Estimator::kSteSign) return std::abs(x) <= clip ? 1.0f : 0.0f;
@@ -454,23 +473,25 @@ Taps TapOffsets(const ConvShape& s, int64_t wp) {
 // pixel's k values, each part zero-padded to kp. The parts multiply the same
 // B, so B_t is [kp, o] and each B tile is loaded once for three A tiles.
 // B: [o_pairs][taps][kp / 32][2 tiles][16 k-pairs][16 cols][2] (AMX's
-// pair-interleaved layout), so one o pair's B is contiguous and stays close
-// while the thread walks all q for it.
+// pair-interleaved layout), so one o pair's B is contiguous.
 //
-// With a == nullptr (q-major order only) A is not materialized: each thread
-// splits the rows it needs into a window of a few hundred KiB via fill(r0,
-// r1, dst), so A never goes through memory and stays in L2.
+// A is never materialized: each thread splits the rows it needs into a
+// window of a few hundred KiB via fill(r0, r1, dst), so A stays in L2 and
+// costs a read of the float input instead of a write and reads of 1.5x its
+// size. Units walk all q for a group of o pairs whose B fills about 1 MiB of
+// L2, then the next group (which splits the rows again).
 struct ShiftedGemm {
-  const uint16_t* a;
   int64_t kp;
   const int64_t* off;
   int64_t taps;
   const uint16_t* b;
   int64_t o_pairs, q_pairs;
-  bool q_major;  // unit order, see ShiftedGemmUnits
-  // For a == nullptr: rows [0, rows) exist, the largest offset is max_off.
+  int64_t o_group;  // o pairs per group
   std::function<void(int64_t r0, int64_t r1, uint16_t* dst)> fill;
-  int64_t rows = 0, max_off = 0;
+  int64_t rows, max_off;  // rows [0, rows) of A exist; largest tap offset
+  int64_t units() const {
+    return (o_pairs + o_group - 1) / o_group * q_pairs * o_group;
+  }
 };
 
 // q pairs per window refill: about 512 KiB of rows, 4 to 32 pairs.
@@ -497,40 +518,36 @@ TAPEHOOK_AMX void ConfigureTiles() {
   _tile_loadconfig(&cfg);
 }
 
-// Units [u0, u1): unit u is (o pair u / q_pairs, q pair u % q_pairs).
-// Tiles 0-3 accumulate the 2 x 2 block, 4-5 hold A, 6-7 hold B.
+// Units [u0, u1) of g.units(): unit u is (group, q pair, o pair in group),
+// in that order of significance. Tiles 0-3 accumulate the 2 x 2 block, 4-5
+// hold A, 6-7 hold B.
 TAPEHOOK_AMX void ShiftedGemmUnits(const ShiftedGemm& g, int64_t u0,
                                    int64_t u1, const BlockStore& store) {
   ConfigureTiles();
   alignas(64) float c[4][256];
   const int64_t chunks = g.kp / 32, ka = 3 * g.kp, lda = ka * 2;
-  const bool fused = g.a == nullptr;
-  const int64_t win_rows = fused ? 32 * WindowPairs(ka) + g.max_off : 0;
-  std::unique_ptr<Buffer> win(fused ? new Buffer(win_rows * ka) : nullptr);
+  const int64_t win_rows = 32 * WindowPairs(ka) + g.max_off;
+  Buffer win(win_rows * ka);
   int64_t win_begin = 0, win_end = 0;  // rows held by the window
+  const int64_t per_group = g.q_pairs * g.o_group;
   for (int64_t u = u0; u < u1; ++u) {
-    // q-major when all of B stays in L2 (A then streams from memory once),
-    // else o-major (each o pair's B stays in L2, A streams once per pair).
-    const int64_t op = g.q_major ? u % g.o_pairs : u / g.q_pairs;
-    const int64_t q0 = (g.q_major ? u / g.o_pairs : u % g.q_pairs) * 32;
-    const uint16_t* a = g.a;  // holds row a_row0 of A first
-    int64_t a_row0 = 0;
-    if (fused) {
-      if (q0 < win_begin || q0 + 32 + g.max_off > win_end) {
-        win_begin = q0;
-        win_end = std::min(q0 + win_rows, g.rows);
-        g.fill(win_begin, win_end, win->p);
-      }
-      a = win->p;
-      a_row0 = win_begin;
+    const int64_t rem = u % per_group;
+    const int64_t op = u / per_group * g.o_group + rem % g.o_group;
+    if (op >= g.o_pairs) continue;  // the last group may be short
+    const int64_t q0 = rem / g.o_group * 32;
+    if (q0 < win_begin || q0 + 32 + g.max_off > win_end) {
+      win_begin = q0;
+      win_end = std::min(q0 + win_rows, g.rows);
+      g.fill(win_begin, win_end, win.p);
     }
+    const uint16_t* a = win.p;  // holds row win_begin of A first
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     const uint16_t* bt = g.b + op * g.taps * chunks * 1024;
     for (int64_t t = 0; t < g.taps; ++t) {
-      const uint16_t* a0 = a + (q0 - a_row0 + g.off[t]) * ka;
+      const uint16_t* a0 = a + (q0 - win_begin + g.off[t]) * ka;
       for (int64_t kc = 0; kc < chunks; ++kc, bt += 1024) {
         _tile_loadd(6, bt, 64);
         _tile_loadd(7, bt + 512, 64);
@@ -555,39 +572,78 @@ TAPEHOOK_AMX void ShiftedGemmUnits(const ShiftedGemm& g, int64_t u0,
 }
 #endif
 
-// Whether all of B (o_pairs * taps * kp / 32 tile pairs of 2 KiB) fits in
-// about half of a 2 MiB L2.
-bool QMajor(int64_t o_pairs, int64_t taps, int64_t kp) {
-  return o_pairs * taps * (kp / 32) * 2048 <= (int64_t{1} << 20);
+// o pairs whose B (taps * kp / 32 tile pairs of 2 KiB each) fill about half
+// of a 2 MiB L2.
+int64_t OGroup(int64_t o_pairs, int64_t taps, int64_t kp) {
+  const int64_t per_pair = taps * (kp / 32) * 2048;
+  return std::max<int64_t>(1, std::min(o_pairs, (int64_t{1} << 20) / per_pair));
 }
 
 void RunShiftedGemm(const ShiftedGemm& g, const BlockStore& store,
                     const ParallelFor& parallel_for) {
 #if TAPEHOOK_HAVE_AMX_PATH
   const int64_t cost = 32 * 32 * g.taps * g.kp * 3 / 8;
-  parallel_for(g.o_pairs * g.q_pairs, cost, [&](int64_t u0, int64_t u1) {
+  parallel_for(g.units(), cost, [&](int64_t u0, int64_t u1) {
     ShiftedGemmUnits(g, u0, u1, store);
   });
 #endif
 }
 
-// Packs B_t[k, o] = value(t, k, o) (k < kp) in ShiftedGemm's layout.
-template <typename Value>
-void PackShiftedB(int64_t taps, int64_t kp, int64_t o_pairs, Value value,
+// sign(W) as bf16 in a zero-padded [taps][kp][n_pad] matrix S: the B of a
+// shifted GEMM before its pair-interleaving. transposed = false: S[t][c][o]
+// = sign W[t][c][o] (the forward); true: S[t][o][c] = sign W[taps-1-t][c][o]
+// (backprop-input's flipped, transposed filter), transposed in 8 x 8 blocks.
+std::unique_ptr<Buffer> SignMatrix(const float* w, int64_t taps, int64_t C,
+                                   int64_t O, bool transposed, int64_t kp,
+                                   int64_t n_pad,
+                                   const ParallelFor& parallel_for) {
+  std::unique_ptr<Buffer> sm(new Buffer(taps * kp * n_pad));
+  uint16_t* out = sm->p;
+  parallel_for(taps, kp * n_pad, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      uint16_t* st = out + t * kp * n_pad;
+      std::fill(st, st + kp * n_pad, uint16_t{0});
+      if (!transposed) {
+        for (int64_t c = 0; c < C; ++c) {
+          const float* wr = w + (t * C + c) * O;
+          uint16_t* row = st + c * n_pad;
+          for (int64_t o = 0; o < O; ++o) row[o] = SignBf16(wr[o]);
+        }
+        continue;
+      }
+      // Rows of sign W[taps-1-t] (c, o), 8 at a time, transposed into S.
+      const int64_t o8 = RoundUp(O, 8);
+      std::vector<uint16_t> rows(8 * o8);
+      for (int64_t c0 = 0; c0 < C; c0 += 8) {
+        std::fill(rows.begin(), rows.end(), uint16_t{0});
+        for (int64_t c = c0; c < std::min(C, c0 + 8); ++c) {
+          const float* wr = w + ((taps - 1 - t) * C + c) * O;
+          for (int64_t o = 0; o < O; ++o) rows[(c - c0) * o8 + o] = SignBf16(wr[o]);
+        }
+        for (int64_t o0 = 0; o0 < o8; o0 += 8) {  // kp >= o8, n_pad >= c0 + 8
+          Transpose8x8(&rows[o0], o8, st + o0 * n_pad + c0, n_pad);
+        }
+      }
+    }
+  });
+  return sm;
+}
+
+// Packs S (SignMatrix) in ShiftedGemm's B layout: each B tile row holds
+// two consecutive S rows interleaved (AMX's k-pair layout).
+void PackShiftedB(const uint16_t* sm, int64_t taps, int64_t kp, int64_t n_pad,
                   uint16_t* b, const ParallelFor& parallel_for) {
-  const int64_t chunks = kp / 32;
+  const int64_t chunks = kp / 32, o_pairs = n_pad / 32;
   parallel_for(o_pairs * taps, chunks * 1024, [&](int64_t v0, int64_t v1) {
     for (int64_t v = v0; v < v1; ++v) {
       const int64_t op = v / taps, t = v % taps;
       uint16_t* out = b + v * chunks * 1024;
       for (int64_t kc = 0; kc < chunks; ++kc) {
         for (int64_t j = 0; j < 2; ++j) {
-          for (int64_t kp = 0; kp < 16; ++kp) {
-            for (int64_t col = 0; col < 16; ++col) {
-              for (int64_t e = 0; e < 2; ++e) {
-                *out++ = value(t, kc * 32 + 2 * kp + e, op * 32 + j * 16 + col);
-              }
-            }
+          for (int64_t kpair = 0; kpair < 16; ++kpair, out += 32) {
+            const uint16_t* r0 = sm + (t * kp + kc * 32 + 2 * kpair) * n_pad +
+                                 op * 32 + j * 16;
+            InterleaveRows16(r0, r0 + n_pad, out);
           }
         }
       }
@@ -614,38 +670,14 @@ void FillSplitRange(const Grid& grid, const float* data, const float* scale,
   }
 }
 
-void FillSplitRows(const Grid& grid, const float* data, const float* scale,
-                   int64_t channels, int64_t kp, int64_t rows, uint16_t* a,
-                   const ParallelFor& parallel_for) {
-  parallel_for(rows, 3 * kp, [&](int64_t r0, int64_t r1) {
-    FillSplitRange(grid, data, scale, channels, kp, r0, r1,
-                   a + r0 * 3 * kp);
-  });
-}
-
-// A of a shifted GEMM over `grid`: materialized for o-major order, filled
-// per thread (ShiftedGemm::fill) for q-major order.
-struct SplitOperand {
-  std::unique_ptr<Buffer> buffer;
-  std::function<void(int64_t, int64_t, uint16_t*)> fill;
-};
-
-SplitOperand MakeSplitOperand(const Grid& grid, const float* data,
-                              const float* scale, int64_t channels,
-                              int64_t kp, int64_t rows, bool q_major,
-                              const ParallelFor& parallel_for) {
-  SplitOperand out;
-  if (q_major) {
-    out.fill = [&grid, data, scale, channels, kp](int64_t r0, int64_t r1,
-                                                 uint16_t* dst) {
-      FillSplitRange(grid, data, scale, channels, kp, r0, r1, dst);
-    };
-  } else {
-    out.buffer.reset(new Buffer(rows * 3 * kp));
-    FillSplitRows(grid, data, scale, channels, kp, rows, out.buffer->p,
-                  parallel_for);
-  }
-  return out;
+// ShiftedGemm::fill over a grid of `data` pixels.
+std::function<void(int64_t, int64_t, uint16_t*)> SplitFill(
+    const Grid& grid, const float* data, const float* scale, int64_t channels,
+    int64_t kp) {
+  return [&grid, data, scale, channels, kp](int64_t r0, int64_t r1,
+                                           uint16_t* dst) {
+    FillSplitRange(grid, data, scale, channels, kp, r0, r1, dst);
+  };
 }
 
 // alpha (or ones) padded with ones to a multiple of 32.
@@ -806,30 +838,25 @@ bool Forward(const ConvShape& s, const float* x, const float* w,
   const int64_t o_pairs = (O + 31) / 32;
 
   PROF_START;
-  const bool q_major = QMajor(o_pairs, taps, kp);
-  const SplitOperand a = MakeSplitOperand(grid, x, nullptr, C, kp, rows,
-                                          q_major, parallel_for);
+
   PROF("fwd split");
   Buffer b(o_pairs * taps * kp * 32);
-  PackShiftedB(
-      taps, kp, o_pairs,
-      [&](int64_t t, int64_t k, int64_t o) -> uint16_t {
-        if (k >= C || o >= O) return 0;
-        return SignBf16(w[(t * C + k) * O + o]);
-      },
-      b.p, parallel_for);
+  {
+    const auto sm = SignMatrix(w, taps, C, O, /*transposed=*/false, kp,
+                               o_pairs * 32, parallel_for);
+    PackShiftedB(sm->p, taps, kp, o_pairs * 32, b.p, parallel_for);
+  }
 
   PROF("fwd packB");
   const std::vector<float> scale = PaddedScale(alpha, O);
-  const ShiftedGemm g{a.buffer ? a.buffer->p : nullptr,
-                      kp,
+  const ShiftedGemm g{kp,
                       tp.off.data(),
                       taps,
                       b.p,
                       o_pairs,
                       q_pairs,
-                      q_major,
-                      a.fill,
+                      OGroup(o_pairs, taps, kp),
+                      SplitFill(grid, x, nullptr, C, kp),
                       rows,
                       tp.max_off};
   RunShiftedGemm(
@@ -872,29 +899,23 @@ bool BackpropInputImpl(const ConvShape& s, const float* x,
   const int64_t c_pairs = (C + 31) / 32;
 
   const std::vector<float> scale = PaddedScale(alpha, O);
-  const bool q_major = QMajor(c_pairs, taps, kp);
-  const SplitOperand a =
-      MakeSplitOperand(grid, dy, alpha ? scale.data() : nullptr, O, kp, rows,
-                       q_major, parallel_for);
+
   Buffer b(c_pairs * taps * kp * 32);
-  PackShiftedB(
-      taps, kp, c_pairs,
-      [&](int64_t t, int64_t k, int64_t c) -> uint16_t {
-        if (k >= O || c >= C) return 0;
-        return SignBf16(w[((taps - 1 - t) * C + c) * O + k]);
-      },
-      b.p, parallel_for);
+  {
+    const auto sm = SignMatrix(w, taps, C, O, /*transposed=*/true, kp,
+                               c_pairs * 32, parallel_for);
+    PackShiftedB(sm->p, taps, kp, c_pairs * 32, b.p, parallel_for);
+  }
 
   const std::vector<float> ones(32, 1.0f);
-  const ShiftedGemm g{a.buffer ? a.buffer->p : nullptr,
-                      kp,
+  const ShiftedGemm g{kp,
                       tp.off.data(),
                       taps,
                       b.p,
                       c_pairs,
                       q_pairs,
-                      q_major,
-                      a.fill,
+                      OGroup(c_pairs, taps, kp),
+                      SplitFill(grid, dy, alpha ? scale.data() : nullptr, O, kp),
                       rows,
                       tp.max_off};
   RunShiftedGemm(
