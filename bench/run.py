@@ -65,7 +65,8 @@ def cpu_flags():
         for line in open("/proc/cpuinfo"):
             if line.startswith("flags"):
                 flags = set(line.split(":", 1)[1].split())
-                return sorted(flags & {"avx2", "fma", "popcnt", "avx512f", "avx512_vpopcntdq"})
+                return sorted(flags & {"avx2", "fma", "popcnt", "avx512f", "avx512bw",
+                                       "avx512_vpopcntdq", "amx_tile", "amx_bf16"})
     except OSError:
         pass
     return []
@@ -190,6 +191,9 @@ def run_worker(args):
         "tf_version": tf.__version__,
         "tf_enable_onednn_opts": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
         "tapehook_no_avx2": os.environ.get("TAPEHOOK_NO_AVX2"),
+        "tapehook_no_avx512": os.environ.get("TAPEHOOK_NO_AVX512"),
+        "tapehook_no_amx": os.environ.get("TAPEHOOK_NO_AMX"),
+        "amx_kernels": kernels.amx_usable(),
         "kernel_library": kernels.kernel_info()["cpu"].get("path"),
         "rows": rows,
     }
