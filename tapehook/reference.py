@@ -47,6 +47,11 @@ def alpha(w, scale):
     return tf.ones([tf.shape(w)[-1]], w.dtype)
 
 
+def scaled_sign(w, a):
+    """alpha * sign(W) in one pass (a broadcasts along the output channels)."""
+    return tf.where(w >= 0, a, -a)
+
+
 def binarize_input(x, spec):
     return sign(x) if spec.activation_estimator else x
 
@@ -78,10 +83,12 @@ def binary_conv2d_backward(x, w, dy, spec, strides, padding, explicit_paddings,
     dW = conv2d_backprop_filter(x_hat, dY) * alpha * e'(W). Undilated convs call
     the stock backprop ops directly; TF's CPU backprops reject dilations, so a
     dilated conv differentiates tf.nn.convolution (SpaceToBatchND) instead.
-    ``w_parts``: (sign W, alpha) when the forward already computed them.
+    ``w_parts``: (alpha sign W, alpha) when the forward already computed them.
     """
-    w_sign, a = w_parts if w_parts is not None else (sign(w), alpha(w, spec.scale))
-    w_hat = w_sign * a
+    if w_parts is None:
+        a = alpha(w, spec.scale)
+        w_parts = (scaled_sign(w, a), a)
+    w_hat, a = w_parts
     dilated = any(d != 1 for d in dilations)
     x_hat = binarize_input(x, spec) if need_dw or dilated else None
     if dilated:
@@ -122,10 +129,15 @@ def binary_conv2d(x, w, spec, strides=(1, 1, 1, 1), padding="SAME",
 
     @tf.custom_gradient
     def conv(x, w):
-        # sign W and alpha once, for the forward and the backward
-        w_parts = (sign(w), alpha(w, spec.scale))
-        y = _forward(binarize_input(x, spec), w_parts[0], w_parts[1], spec, strides,
-                     padding, explicit_paddings, dilations)
+        # alpha and alpha sign W once, for the forward and the backward
+        a = alpha(w, spec.scale)
+        w_parts = (scaled_sign(w, a), a)
+        if spec.activation_estimator:
+            y = _forward(sign(x), sign(w), a, spec, strides, padding,
+                         explicit_paddings, dilations)
+        else:
+            y = float_conv2d(x, w_parts[0], strides, padding, explicit_paddings,
+                             dilations)
 
         def grad(dy):
             if on_backward is not None:

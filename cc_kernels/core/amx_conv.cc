@@ -48,17 +48,6 @@
 #define TAPEHOOK_HAVE_AMX_PATH 0
 #endif
 
-#ifdef TAPEHOOK_AMX_PROFILE
-#include <chrono>
-#include <cstdio>
-#include <time.h>
-inline double ThreadNow() { timespec ts; clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts); return ts.tv_sec * 1e3 + 1e-6 * ts.tv_nsec; }
-#define PROF(name) do { double _n = ThreadNow(); std::fprintf(stderr, "  %s %.2f ms\n", name, _n - _prof_t); _prof_t = _n; } while (0)
-#define PROF_START double _prof_t = ThreadNow()
-#else
-#define PROF(name)
-#define PROF_START
-#endif
 namespace tapehook {
 namespace amx {
 namespace {
@@ -651,10 +640,9 @@ void PackShiftedB(const uint16_t* sm, int64_t taps, int64_t kp, int64_t n_pad,
   });
 }
 
-// Fills A rows [0, rows) of a grid: each data pixel's `channels` values
-// (times scale[c] if given) split into hi, mid and lo parts of kp values
-// each (zero-padded), zeros for padding pixels.
-// Rows [r0, r1) of it into dst (dst holds row r0 first).
+// Rows [r0, r1) of a shifted GEMM's A over a grid into dst (row r0 first):
+// each data pixel's `channels` values (times scale[c] if given) split into
+// hi, mid and lo parts of kp values each (zero-padded), zeros for padding.
 void FillSplitRange(const Grid& grid, const float* data, const float* scale,
                     int64_t channels, int64_t kp, int64_t r0, int64_t r1,
                     uint16_t* dst) {
@@ -724,8 +712,10 @@ struct FilterGemm {
   const int* x_of;
   const int* d_of;
   int n_pairs;
-  // Partial sums, [k block][tap][c pair][o pair][4][256] (fp32).
+  // Partial sums, [k block][tap][c pair][o pair][4][256] (fp32); with a
+  // single k block, finish(unit, sums) takes each unit's sums instead.
   float* partial;
+  std::function<void(int64_t unit, const float* sums)> finish;
 };
 
 #if TAPEHOOK_HAVE_AMX_PATH
@@ -738,6 +728,7 @@ TAPEHOOK_AMX void FilterGemmItems(const FilterGemm& g, int64_t i0,
   ConfigureTiles();
   const int64_t lda = g.qa * 2, ldb = g.o_pad * 4;
   const int64_t units = g.taps * g.c_pairs * g.o_pairs;
+  alignas(64) float sums[1024];
   for (int64_t item = i0; item < i1; ++item) {
     const int64_t kb = item / g.o_pairs, op = item % g.o_pairs;
     const int64_t k0 = kb * g.kblock, k1 = std::min(g.q_len, k0 + g.kblock);
@@ -769,12 +760,13 @@ TAPEHOOK_AMX void FilterGemmItems(const FilterGemm& g, int64_t i0,
             _tile_dpbf16ps(3, 5, 7);
           }
         }
-        float* out = g.partial +
-                     (kb * units + (t * g.c_pairs + cp) * g.o_pairs + op) * 1024;
+        const int64_t unit = (t * g.c_pairs + cp) * g.o_pairs + op;
+        float* out = g.finish ? sums : g.partial + (kb * units + unit) * 1024;
         _tile_stored(0, out, 64);
         _tile_stored(1, out + 256, 64);
         _tile_stored(2, out + 512, 64);
         _tile_stored(3, out + 768, 64);
+        if (g.finish) g.finish(unit, sums);
       }
     }
   }
@@ -837,9 +829,7 @@ bool Forward(const ConvShape& s, const float* x, const float* w,
   const int64_t rows = q_pairs * 32 + tp.max_off;
   const int64_t o_pairs = (O + 31) / 32;
 
-  PROF_START;
 
-  PROF("fwd split");
   Buffer b(o_pairs * taps * kp * 32);
   {
     const auto sm = SignMatrix(w, taps, C, O, /*transposed=*/false, kp,
@@ -847,7 +837,6 @@ bool Forward(const ConvShape& s, const float* x, const float* w,
     PackShiftedB(sm->p, taps, kp, o_pairs * 32, b.p, parallel_for);
   }
 
-  PROF("fwd packB");
   const std::vector<float> scale = PaddedScale(alpha, O);
   const ShiftedGemm g{kp,
                       tp.off.data(),
@@ -866,7 +855,6 @@ bool Forward(const ConvShape& s, const float* x, const float* w,
                   y + o0, O);
       },
       parallel_for);
-  PROF("fwd gemm+store");
   return true;
 }
 
@@ -965,7 +953,6 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
   const int64_t c_pad = RoundUp(C, 32), o_pad = RoundUp(O, 32);
   const int x_n = binary ? 1 : 3;
 
-  PROF_START;
   // x_hat transposed onto the grid: x_parts[i][c][q].
   std::vector<std::unique_ptr<Buffer>> xb;
   std::vector<const uint16_t*> x_parts;
@@ -1010,7 +997,6 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
     }
   });
 
-  PROF("bpf x");
   // dy on the grid, split, pair-interleaved: d_parts[i][q / 2][o][q % 2].
   std::vector<std::unique_ptr<Buffer>> db;
   std::vector<const uint16_t*> d_parts;
@@ -1028,7 +1014,6 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
     }
   });
 
-  PROF("bpf dy");
   static const int kBinX[] = {0, 0, 0}, kBinD[] = {0, 1, 2};
   static const int kFloatX[] = {0, 0, 0, 1, 1, 2}, kFloatD[] = {0, 1, 2, 0, 1, 0};
   const int64_t c_pairs = c_pad / 32, o_pairs = o_pad / 32;
@@ -1036,58 +1021,68 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
   // K block: one item's columns of x (all channels) and dy (one o pair)
   // fill about 1 MiB of L2.
   const int64_t bytes_per_q = (x_n * c_pad + 3 * 32) * 2;
-  const int64_t kblock = std::min(
-      q_len, std::max<int64_t>(32, (int64_t{1} << 20) / bytes_per_q / 32 * 32));
+  // One k block when all columns fit in most of L2: each unit's sums then go
+  // straight to dW, with no partial sums through memory.
+  const int64_t kblock =
+      q_len * bytes_per_q <= (int64_t{7} << 18)
+          ? q_len
+          : std::max<int64_t>(32, (int64_t{1} << 20) / bytes_per_q / 32 * 32);
   const int64_t k_blocks = (q_len + kblock - 1) / kblock;
-  Buffer partial_buf(k_blocks * units * 1024 * 2);
-  float* partial = reinterpret_cast<float*>(partial_buf.p);
-  FilterGemm g{x_parts.data(), qa,      d_parts.data(), o_pad,
-               q_len,          kblock,  tp.off.data(),  taps,
-               c_pairs,        o_pairs, binary ? kBinX : kFloatX,
-               binary ? kBinD : kFloatD, binary ? 3 : 6, partial};
-  parallel_for(k_blocks * o_pairs, kblock * 32 * c_pad * taps * g.n_pairs / 8,
-               [&](int64_t i0, int64_t i1) { FilterGemmItems(g, i0, i1); });
-
-  PROF("bpf gemm");
   const std::vector<float> scale = PaddedScale(alpha, O);
   const float clip_f = static_cast<float>(clip);
-  parallel_for(units, 1024, [&](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t t = u / (c_pairs * o_pairs), rem = u % (c_pairs * o_pairs);
-      const int64_t c0 = rem / o_pairs * 32, o0 = rem % o_pairs * 32;
-      // Sum the k blocks' partial sums of this unit.
-      float a[1024];
-      std::copy_n(partial + u * 1024, 1024, a);
-      for (int64_t kb = 1; kb < k_blocks; ++kb) {
-        const float* src = partial + (kb * units + u) * 1024;
-        for (int i = 0; i < 1024; ++i) a[i] += src[i];
-      }
-      for (int64_t r = 0; r < 32 && c0 + r < C; ++r) {
-        for (int64_t half = 0; half < 2; ++half) {
-          const int64_t o = o0 + half * 16;
-          const int64_t n = std::min<int64_t>(16, O - o);
-          if (n <= 0) break;
-          const float* src = a + ((r / 16) * 2 + half) * 256 + (r % 16) * 16;
-          const int64_t i = (t * C + c0 + r) * O + o;
-          const float* sc = scale.data() + o;
-          float* dst = dw + i;
-          const float* wr = w + i;
-          if (w_est == Estimator::kNone) {
-            for (int64_t k = 0; k < n; ++k) dst[k] = src[k] * sc[k];
-          } else if (w_est == Estimator::kSteSign) {
-            for (int64_t k = 0; k < n; ++k) {
-              dst[k] = std::abs(wr[k]) <= clip_f ? src[k] * sc[k] : 0.0f;
-            }
-          } else {
-            for (int64_t k = 0; k < n; ++k) {
-              dst[k] = src[k] * sc[k] * ActGrad(w_est, wr[k], clip);
-            }
+  // dw of unit u from its summed tiles a (4 x [16][16], as FilterGemm).
+  auto finish = [&](int64_t u, const float* a) {
+    const int64_t t = u / (c_pairs * o_pairs), rem = u % (c_pairs * o_pairs);
+    const int64_t c0 = rem / o_pairs * 32, o0 = rem % o_pairs * 32;
+    for (int64_t r = 0; r < 32 && c0 + r < C; ++r) {
+      for (int64_t half = 0; half < 2; ++half) {
+        const int64_t o = o0 + half * 16;
+        const int64_t n = std::min<int64_t>(16, O - o);
+        if (n <= 0) break;
+        const float* src = a + ((r / 16) * 2 + half) * 256 + (r % 16) * 16;
+        const int64_t i = (t * C + c0 + r) * O + o;
+        const float* sc = scale.data() + o;
+        float* dst = dw + i;
+        const float* wr = w + i;
+        if (w_est == Estimator::kNone) {
+          for (int64_t k = 0; k < n; ++k) dst[k] = src[k] * sc[k];
+        } else if (w_est == Estimator::kSteSign) {
+          for (int64_t k = 0; k < n; ++k) {
+            dst[k] = std::abs(wr[k]) <= clip_f ? src[k] * sc[k] : 0.0f;
+          }
+        } else {
+          for (int64_t k = 0; k < n; ++k) {
+            dst[k] = src[k] * sc[k] * ActGrad(w_est, wr[k], clip);
           }
         }
       }
     }
-  });
-  PROF("bpf store");
+  };
+  std::unique_ptr<Buffer> partial_buf(
+      k_blocks > 1 ? new Buffer(k_blocks * units * 1024 * 2) : nullptr);
+  FilterGemm g{x_parts.data(), qa,      d_parts.data(), o_pad,
+               q_len,          kblock,  tp.off.data(),  taps,
+               c_pairs,        o_pairs, binary ? kBinX : kFloatX,
+               binary ? kBinD : kFloatD, binary ? 3 : 6,
+               partial_buf ? reinterpret_cast<float*>(partial_buf->p) : nullptr,
+               nullptr};
+  if (k_blocks == 1) g.finish = finish;
+  parallel_for(k_blocks * o_pairs, kblock * 32 * c_pad * taps * g.n_pairs / 8,
+               [&](int64_t i0, int64_t i1) { FilterGemmItems(g, i0, i1); });
+
+  if (k_blocks > 1) {  // sum the k blocks' partial sums, then finish
+    parallel_for(units, 1024, [&](int64_t u0, int64_t u1) {
+      alignas(64) float a[1024];
+      for (int64_t u = u0; u < u1; ++u) {
+        std::copy_n(g.partial + u * 1024, 1024, a);
+        for (int64_t kb = 1; kb < k_blocks; ++kb) {
+          const float* src = g.partial + (kb * units + u) * 1024;
+          for (int i = 0; i < 1024; ++i) a[i] += src[i];
+        }
+        finish(u, a);
+      }
+    });
+  }
   return true;
 #else
   return false;

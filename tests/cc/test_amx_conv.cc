@@ -13,7 +13,9 @@
 // (pack_input.h) give the same bits as the float-input ones, with and
 // without AMX. Prints "amx: skipped" for the exactness part on CPUs without
 // AMX.
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -215,6 +217,41 @@ void TestPackedBackprops(std::mt19937_64& rng, int cases) {
   }
 }
 
+// A backprop-filter whose columns do not fit in L2 runs in k blocks whose
+// partial sums are added afterwards: it must agree with the non-AMX kernel.
+void TestBackpropFilterKBlocks(std::mt19937_64& rng) {
+  ConvShape s;
+  s.batch = 2, s.in_h = 64, s.in_w = 64, s.in_c = 32;
+  s.k_h = 3, s.k_w = 3, s.out_c = 40;
+  tapehook::ComputeConvGeometry(tapehook::Padding::kSame, 0, 0, 0, 0, &s);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(2 * 64 * 64 * 32), w(9 * 32 * 40), dy(2 * 64 * 64 * 40);
+  for (float& t : x) t = normal(rng);
+  for (float& t : w) t = normal(rng);
+  for (float& t : dy) t = normal(rng);
+  for (Estimator act : {Estimator::kSteSign, Estimator::kNone}) {
+    std::vector<float> got(w.size()), want(w.size());
+    tapehook::BinaryConv2DBackpropFilter(s, x.data(), w.data(), dy.data(), act,
+                                         Estimator::kSteSign, 1.0,
+                                         tapehook::Scale::kMeanAbs, got.data(),
+                                         kSerial);
+    setenv("TAPEHOOK_NO_AMX", "1", /*overwrite=*/1);
+    tapehook::BinaryConv2DBackpropFilter(s, x.data(), w.data(), dy.data(), act,
+                                         Estimator::kSteSign, 1.0,
+                                         tapehook::Scale::kMeanAbs,
+                                         want.data(), kSerial);
+    unsetenv("TAPEHOOK_NO_AMX");
+    double scale = 0, err = 0;
+    for (size_t i = 0; i < w.size(); ++i) {
+      scale = std::max(scale, std::abs(double(want[i])));
+      err = std::max(err, std::abs(double(got[i]) - want[i]));
+    }
+    Check(err <= 1e-5 * scale, act == Estimator::kNone
+                                   ? "k-blocked backprop-filter (float x)"
+                                   : "k-blocked backprop-filter (binary x)");
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -231,6 +268,7 @@ int main() {
     std::printf("amx: skipped (no AMX on this CPU or TAPEHOOK_NO_AMX set)\n");
     return g_failures == 0 ? 0 : 1;
   }
+  TestBackpropFilterKBlocks(rng);
   for (int round = 0; round < 20; ++round) {
     TestForwardSingleProduct(rng);
     TestBackpropInputSingleProduct(rng);
