@@ -412,6 +412,40 @@ inline float ActGrad(Estimator e, float x, double clip) {
   return static_cast<float>(EstimatorGrad(e, x, clip));
 }
 
+// dst[k] = src[k] * scale[k] [* 1{|w[k]| <= clip} when clip >= 0], k < n
+// (n <= 16): one row segment of dW.
+void ScaleAndMaskPortable(const float* src, const float* scale,
+                          const float* w, float clip, int64_t n, float* dst) {
+  for (int64_t k = 0; k < n; ++k) {
+    const float v = src[k] * scale[k];
+    dst[k] = clip < 0 || std::abs(w[k]) <= clip ? v : 0.0f;
+  }
+}
+
+#if TAPEHOOK_HAVE_AMX_PATH
+TAPEHOOK_AMX void ScaleAndMask512(const float* src, const float* scale,
+                                  const float* w, float clip, int64_t n,
+                                  float* dst) {
+  const __mmask16 m = static_cast<__mmask16>((1u << n) - 1);
+  __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, src),
+                           _mm512_maskz_loadu_ps(m, scale));
+  if (clip >= 0) {
+    const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(m, w));
+    v = _mm512_maskz_mov_ps(
+        _mm512_cmp_ps_mask(a, _mm512_set1_ps(clip), _CMP_LE_OQ), v);
+  }
+  _mm512_mask_storeu_ps(dst, m, v);
+}
+#endif
+
+void ScaleAndMask(const float* src, const float* scale, const float* w,
+                  float clip, int64_t n, float* dst) {
+#if TAPEHOOK_HAVE_AMX_PATH
+  return ScaleAndMask512(src, scale, w, clip, n, dst);
+#endif
+  ScaleAndMaskPortable(src, scale, w, clip, n, dst);
+}
+
 // The padded input of a stride-1 conv as a q grid (see the file comment).
 struct Grid {
   int64_t batch, hp, wp;
@@ -708,6 +742,7 @@ struct FilterGemm {
   int64_t o_pad, q_len, kblock;
   const int64_t* off;
   int64_t taps, c_pairs, o_pairs;
+  int64_t c_group;  // c pairs per item
   // Products kept: x part x_of[i] times dy part d_of[i], grouped by x part.
   const int* x_of;
   const int* d_of;
@@ -719,22 +754,26 @@ struct FilterGemm {
 };
 
 #if TAPEHOOK_HAVE_AMX_PATH
-// Items [i0, i1): item i is (k block i / o_pairs, o pair i % o_pairs). An
-// item reads one block of columns of x (all channels) and dy (32 channels),
-// about 1 MiB that stays in L2 while it runs every tap and c pair over it,
-// so items can be sharded any way without re-reading memory.
+// Items [i0, i1): item i is (k block, o pair, group of c pairs), in that
+// order of significance. An item reads one block of columns of x (its
+// channels) and dy (32 channels), about 1 MiB that stays in L2 while it runs
+// every tap and c pair of the group over it, so items can be sharded any way
+// without re-reading memory.
 TAPEHOOK_AMX void FilterGemmItems(const FilterGemm& g, int64_t i0,
                                   int64_t i1) {
   ConfigureTiles();
   const int64_t lda = g.qa * 2, ldb = g.o_pad * 4;
   const int64_t units = g.taps * g.c_pairs * g.o_pairs;
   alignas(64) float sums[1024];
+  const int64_t c_groups = (g.c_pairs + g.c_group - 1) / g.c_group;
   for (int64_t item = i0; item < i1; ++item) {
-    const int64_t kb = item / g.o_pairs, op = item % g.o_pairs;
+    const int64_t cg = item % c_groups, rest = item / c_groups;
+    const int64_t kb = rest / g.o_pairs, op = rest % g.o_pairs;
     const int64_t k0 = kb * g.kblock, k1 = std::min(g.q_len, k0 + g.kblock);
     const int64_t o0 = op * 32;
+    const int64_t cp1 = std::min(g.c_pairs, (cg + 1) * g.c_group);
     for (int64_t t = 0; t < g.taps; ++t) {
-      for (int64_t cp = 0; cp < g.c_pairs; ++cp) {
+      for (int64_t cp = cg * g.c_group; cp < cp1; ++cp) {
         const int64_t c0 = cp * 32;
         _tile_zero(0);
         _tile_zero(1);
@@ -1020,14 +1059,24 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
   const int64_t units = taps * c_pairs * o_pairs;
   // K block: one item's columns of x (all channels) and dy (one o pair)
   // fill about 1 MiB of L2.
-  const int64_t bytes_per_q = (x_n * c_pad + 3 * 32) * 2;
-  // One k block when all columns fit in most of L2: each unit's sums then go
-  // straight to dW, with no partial sums through memory.
-  const int64_t kblock =
-      q_len * bytes_per_q <= (int64_t{7} << 18)
-          ? q_len
-          : std::max<int64_t>(32, (int64_t{1} << 20) / bytes_per_q / 32 * 32);
+  // An item's columns of x and dy fill about 1 MiB of L2 (more thrashes it:
+  // 7x7x512 ran 2.3x slower with 1.6 MiB). All of K in one block lets each
+  // unit's sums go straight to dW, with no partial sums through memory; it
+  // may take halving the channels per item (each half then re-reads dy).
+  constexpr int64_t kItemBytes = int64_t{1} << 20;
+  auto bytes_per_q = [&](int64_t c_group) {
+    return (x_n * 32 * c_group + 3 * 32) * 2;
+  };
+  int64_t c_group = c_pairs;
+  if (q_len * bytes_per_q(c_group) > kItemBytes &&
+      q_len * bytes_per_q((c_pairs + 1) / 2) <= kItemBytes) {
+    c_group = (c_pairs + 1) / 2;
+  }
+  const int64_t kblock = std::min(
+      q_len,
+      std::max<int64_t>(32, kItemBytes / bytes_per_q(c_group) / 32 * 32));
   const int64_t k_blocks = (q_len + kblock - 1) / kblock;
+  const int64_t c_groups = (c_pairs + c_group - 1) / c_group;
   const std::vector<float> scale = PaddedScale(alpha, O);
   const float clip_f = static_cast<float>(clip);
   // dw of unit u from its summed tiles a (4 x [16][16], as FilterGemm).
@@ -1041,33 +1090,39 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
         if (n <= 0) break;
         const float* src = a + ((r / 16) * 2 + half) * 256 + (r % 16) * 16;
         const int64_t i = (t * C + c0 + r) * O + o;
-        const float* sc = scale.data() + o;
-        float* dst = dw + i;
-        const float* wr = w + i;
-        if (w_est == Estimator::kNone) {
-          for (int64_t k = 0; k < n; ++k) dst[k] = src[k] * sc[k];
-        } else if (w_est == Estimator::kSteSign) {
-          for (int64_t k = 0; k < n; ++k) {
-            dst[k] = std::abs(wr[k]) <= clip_f ? src[k] * sc[k] : 0.0f;
-          }
-        } else {
-          for (int64_t k = 0; k < n; ++k) {
-            dst[k] = src[k] * sc[k] * ActGrad(w_est, wr[k], clip);
-          }
+        if (w_est == Estimator::kNone || w_est == Estimator::kSteSign) {
+          ScaleAndMask(src, scale.data() + o, w + i,
+                       w_est == Estimator::kSteSign ? clip_f : -1.0f, n,
+                       dw + i);
+          continue;
+        }
+        for (int64_t k = 0; k < n; ++k) {
+          dw[i + k] = src[k] * scale[o + k] * ActGrad(w_est, w[i + k], clip);
         }
       }
     }
   };
   std::unique_ptr<Buffer> partial_buf(
       k_blocks > 1 ? new Buffer(k_blocks * units * 1024 * 2) : nullptr);
-  FilterGemm g{x_parts.data(), qa,      d_parts.data(), o_pad,
-               q_len,          kblock,  tp.off.data(),  taps,
-               c_pairs,        o_pairs, binary ? kBinX : kFloatX,
-               binary ? kBinD : kFloatD, binary ? 3 : 6,
+  FilterGemm g{x_parts.data(),
+               qa,
+               d_parts.data(),
+               o_pad,
+               q_len,
+               kblock,
+               tp.off.data(),
+               taps,
+               c_pairs,
+               o_pairs,
+               c_group,
+               binary ? kBinX : kFloatX,
+               binary ? kBinD : kFloatD,
+               binary ? 3 : 6,
                partial_buf ? reinterpret_cast<float*>(partial_buf->p) : nullptr,
                nullptr};
   if (k_blocks == 1) g.finish = finish;
-  parallel_for(k_blocks * o_pairs, kblock * 32 * c_pad * taps * g.n_pairs / 8,
+  parallel_for(k_blocks * o_pairs * c_groups,
+               kblock * 32 * 32 * c_group * taps * g.n_pairs / 8,
                [&](int64_t i0, int64_t i1) { FilterGemmItems(g, i0, i1); });
 
   if (k_blocks > 1) {  // sum the k blocks' partial sums, then finish

@@ -218,14 +218,15 @@ void TestPackedBackprops(std::mt19937_64& rng, int cases) {
 }
 
 // A backprop-filter whose columns do not fit in L2 runs in k blocks whose
-// partial sums are added afterwards: it must agree with the non-AMX kernel.
-void TestBackpropFilterKBlocks(std::mt19937_64& rng) {
+// partial sums are added afterwards (64x64x32), or over halves of the input
+// channels (36x36x128, binary x): it must agree with the non-AMX kernel.
+void TestBackpropFilterBlocking(std::mt19937_64& rng, int64_t hw, int64_t c) {
   ConvShape s;
-  s.batch = 2, s.in_h = 64, s.in_w = 64, s.in_c = 32;
+  s.batch = 2, s.in_h = hw, s.in_w = hw, s.in_c = c;
   s.k_h = 3, s.k_w = 3, s.out_c = 40;
   tapehook::ComputeConvGeometry(tapehook::Padding::kSame, 0, 0, 0, 0, &s);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> x(2 * 64 * 64 * 32), w(9 * 32 * 40), dy(2 * 64 * 64 * 40);
+  std::vector<float> x(2 * hw * hw * c), w(9 * c * 40), dy(2 * hw * hw * 40);
   for (float& t : x) t = normal(rng);
   for (float& t : w) t = normal(rng);
   for (float& t : dy) t = normal(rng);
@@ -268,7 +269,8 @@ int main() {
     std::printf("amx: skipped (no AMX on this CPU or TAPEHOOK_NO_AMX set)\n");
     return g_failures == 0 ? 0 : 1;
   }
-  TestBackpropFilterKBlocks(rng);
+  TestBackpropFilterBlocking(rng, 64, 32);
+  TestBackpropFilterBlocking(rng, 36, 128);
   for (int round = 0; round < 20; ++round) {
     TestForwardSingleProduct(rng);
     TestBackpropInputSingleProduct(rng);
