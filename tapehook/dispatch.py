@@ -13,9 +13,8 @@ TF with oneDNN on and off (README, "Speed"):
 - convolutions with a float operand (the weight-only forward, both
   backprops) on a CPU with Intel AMX (``kernels.amx_usable()``), stride 1,
   float32 / float16 / bfloat16, SAME or VALID padding and at least
-  AMX_MIN_PIXELS input pixels (batch x H x W; AMX_MIN_PIXELS_FILTER for
-  dW), backprops also at least AMX_MIN_TAPS kernel taps unless the input
-  was kept as packed bits:
+  AMX_MIN_PIXELS input pixels (batch x H x W), backprops also at least
+  AMX_MIN_TAPS kernel taps unless the input was kept as packed bits:
   tapehook's kernels, which run them as exact bf16x3 AMX GEMMs
   (cc_kernels/core/amx_conv.h) — except the dW of a weight-only conv (float x
   times float dy, six bf16 products per term) when TF runs oneDNN, whose
@@ -45,14 +44,11 @@ def policy() -> str:
 
 
 # The AMX kernels split their float operand and pack sign(W) before the GEMM;
-# below these sizes that preparation outweighs the GEMM and stock convs win
-# (bench: batch-1 14x14 0.6-0.95x; 1x1 backprops 0.95-1.0x, 1x1 forward 1.3x).
+# below these sizes that preparation outweighs the GEMM and stock convs win.
+# Bench (oneDNN on): batch-1 14x14x256 (196 pixels) at parity to 1.15x;
+# 1x1 float backprops 0.9-1.0x, 1x1 forward 1.2-1.3x.
 AMX_MIN_TAPS = 4
-AMX_MIN_PIXELS = 512
-# dW also reads W and writes dW once per call, whatever the batch: with few
-# pixels per weight that dominates (bench: 7x7x512 batch 16, 784 pixels,
-# 0.86x; 14x14x256, 3136 pixels, 1.22x).
-AMX_MIN_PIXELS_FILTER = 2048
+AMX_MIN_PIXELS = 128
 
 
 def _known(shape, dims):
@@ -60,8 +56,7 @@ def _known(shape, dims):
             and None not in tuple(shape[:dims]))
 
 
-def _amx_fits(attrs, dtype, x_shape=None, w_shape=None, min_taps=1,
-              min_pixels=AMX_MIN_PIXELS) -> bool:
+def _amx_fits(attrs, dtype, x_shape=None, w_shape=None, min_taps=1) -> bool:
     """Whether the AMX kernels take this conv (mirrors amx::Supports*) and it
     is big enough for them to beat stock. Unknown dims count as large."""
     from tapehook import kernels  # kernels imports TF; keep this module light
@@ -69,7 +64,7 @@ def _amx_fits(attrs, dtype, x_shape=None, w_shape=None, min_taps=1,
     if attrs is None or dtype is None:
         return False
     if _known(x_shape, 3) and (int(x_shape[0]) * int(x_shape[1]) * int(x_shape[2])
-                               < min_pixels):
+                               < AMX_MIN_PIXELS):
         return False
     if _known(w_shape, 2) and int(w_shape[0]) * int(w_shape[1]) < min_taps:
         return False
@@ -103,8 +98,7 @@ def backprop_path(attrs, dtype=None, x_shape=None, w_shape=None,
     # 1x1 backprops run about as fast as stock on AMX: take them when the
     # kernels save unpacking the input bits.
     min_taps = 1 if packed else AMX_MIN_TAPS
-    min_pixels = AMX_MIN_PIXELS_FILTER if filter_grad else AMX_MIN_PIXELS
-    if not _amx_fits(attrs, dtype, x_shape, w_shape, min_taps, min_pixels):
+    if not _amx_fits(attrs, dtype, x_shape, w_shape, min_taps):
         return STOCK
     # dW of a weight-only conv is float x float: no exact operand, so AMX needs
     # six bf16 products per term, slower than oneDNN's backprop-filter.

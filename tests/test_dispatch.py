@@ -40,7 +40,7 @@ def test_auto_routes_and_matches_reference(monkeypatch, mode, activations, dilat
         compiled, reference = (dict(ONE, backprop_filter=0),
                                dict(NONE, backprop_filter=1))
     spec = tapehook.BinarySpec(activations=activations, scale="mean_abs")
-    # 2 x 32 x 32 = AMX_MIN_PIXELS_FILTER: big enough for every AMX route
+    # 2 x 32 x 32 pixels: big enough for every AMX route
     x, w0 = random_inputs((2, 32, 32, 3), (3, 3, 3, 4))
     out = 32 if stride == 1 else 16
     g = upstream((2, out, out, 4), tf.float32)
@@ -62,11 +62,9 @@ def test_auto_routes_and_matches_reference(monkeypatch, mode, activations, dilat
     # AMX_MIN_TAPS) unless the input was kept packed
     (False, (2, 16, 16, 3), (1, 1, 3, 4), dict(NONE, forward=1)),
     (True, (2, 32, 32, 3), (1, 1, 3, 4), ONE),
-    # dW wants more pixels (AMX_MIN_PIXELS_FILTER) than the rest
-    (True, (2, 16, 16, 3), (3, 3, 3, 4), dict(ONE, backprop_filter=0)),
     # fewer pixels than AMX_MIN_PIXELS: stock (the bitpacked forward aside)
-    (False, (1, 15, 15, 3), (3, 3, 3, 4), NONE),
-    (True, (1, 15, 15, 3), (3, 3, 3, 4), dict(NONE, forward=1)),
+    (False, (1, 10, 10, 3), (3, 3, 3, 4), NONE),
+    (True, (1, 10, 10, 3), (3, 3, 3, 4), dict(NONE, forward=1)),
 ])
 def test_auto_keeps_small_float_convs_on_stock(monkeypatch, activations, x_shape,
                                                w_shape, compiled):
