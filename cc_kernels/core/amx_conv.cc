@@ -247,11 +247,16 @@ void SignRowFromBits(const uint8_t* bits, int64_t c0, int64_t n,
 // out[j] = +0 where the mask bit of channel j is clear, j < n; bits starts
 // at a multiple of 4 channels (bit 6 - 2 (j % 4) of byte j / 4). Branch-free:
 // the mask bits of normal activations are close to random.
-void MaskFromBitsPortable(const uint8_t* bits, int64_t n, float* out) {
+// dst[j] = (j < 16 ? left[j] : right[j - 16]), or +0 where the mask bit of
+// channel j is clear, j < n <= 32; bits starts at a multiple of 4 channels
+// (bit 6 - 2 (j % 4) of byte j / 4). Branch-free: the mask bits of normal
+// activations are close to random.
+void StoreMaskedRowPortable(const float* left, const float* right, int64_t n,
+                            const uint8_t* bits, float* dst) {
   for (int64_t j = 0; j < n; ++j) {
     const uint32_t keep =
         0u - ((static_cast<uint32_t>(bits[j >> 2]) >> (6 - 2 * (j & 3))) & 1u);
-    out[j] = FromBits(Bits(out[j]) & keep);
+    dst[j] = FromBits(Bits(j < 16 ? left[j] : right[j - 16]) & keep);
   }
 }
 
@@ -268,25 +273,30 @@ struct MaskNibbles {
 };
 const MaskNibbles kMaskNibble;
 
-TAPEHOOK_AMX void MaskFromBits512(const uint8_t* bits, int64_t n,
-                                  float* out) {
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    const uint8_t* b = bits + j / 4;
-    const __mmask16 keep = static_cast<__mmask16>(
-        kMaskNibble.v[b[0]] | kMaskNibble.v[b[1]] << 4 |
-        kMaskNibble.v[b[2]] << 8 | kMaskNibble.v[b[3]] << 12);
-    _mm512_storeu_ps(out + j, _mm512_maskz_loadu_ps(keep, out + j));
+TAPEHOOK_AMX void StoreMaskedRow512(const float* left, const float* right,
+                                    int64_t n, const uint8_t* bits,
+                                    float* dst) {
+  uint32_t keep = 0;
+  for (int64_t b = 0; b < (n + 3) / 4; ++b) {  // only the bytes of the row
+    keep |= uint32_t{kMaskNibble.v[bits[b]]} << (4 * b);
   }
-  MaskFromBitsPortable(bits + j / 4, n - j, out + j);
+  keep &= n >= 32 ? 0xFFFFFFFFu : (1u << n) - 1;
+  const __mmask16 lo = static_cast<__mmask16>(keep);
+  const __mmask16 hi = static_cast<__mmask16>(keep >> 16);
+  const __mmask16 lo_n = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
+  const __mmask16 hi_n =
+      static_cast<__mmask16>(n >= 32 ? 0xFFFF : n > 16 ? (1u << (n - 16)) - 1 : 0);
+  _mm512_mask_storeu_ps(dst, lo_n, _mm512_maskz_loadu_ps(lo, left));
+  if (hi_n) _mm512_mask_storeu_ps(dst + 16, hi_n, _mm512_maskz_loadu_ps(hi, right));
 }
 #endif
 
-void MaskFromBits(const uint8_t* bits, int64_t n, float* out) {
+void StoreMaskedRow(const float* left, const float* right, int64_t n,
+                    const uint8_t* bits, float* dst) {
 #if TAPEHOOK_HAVE_AMX_PATH
-  return MaskFromBits512(bits, n, out);
+  return StoreMaskedRow512(left, right, n, bits, dst);
 #endif
-  MaskFromBitsPortable(bits, n, out);
+  StoreMaskedRowPortable(left, right, n, bits, dst);
 }
 
 void SignRow(const float* v, int64_t n, uint16_t* out) {
@@ -949,16 +959,23 @@ bool BackpropInputImpl(const ConvShape& s, const float* x,
       g,
       [&](int64_t q0, int64_t c0, const float (*acc)[256]) {
         const int64_t c_n = std::min<int64_t>(32, C - c0);
+        if (packed != nullptr) {  // store and mask in one pass
+          for (int64_t r = 0; r < 32; ++r) {
+            const int64_t p = grid.OutPixel(q0 + r);
+            if (p < 0) continue;
+            StoreMaskedRow(acc[(r / 16) * 2] + (r % 16) * 16,
+                           acc[(r / 16) * 2 + 1] + (r % 16) * 16, c_n,
+                           packed + p * PackedBytes(C) + c0 / 4,
+                           dx + p * C + c0);
+          }
+          return;
+        }
         StoreRows(grid, q0, acc, ones.data(), c_n, dx + c0, C);
         if (act_est == Estimator::kNone) return;
         for (int64_t r = 0; r < 32; ++r) {
           const int64_t p = grid.OutPixel(q0 + r);
           if (p < 0) continue;
           float* out = dx + p * C + c0;
-          if (packed != nullptr) {
-            MaskFromBits(packed + p * PackedBytes(C) + c0 / 4, c_n, out);
-            continue;
-          }
           const float* xr = x + p * C + c0;
           if (act_est == Estimator::kSteSign) {
             const float cl = static_cast<float>(clip);
