@@ -13,7 +13,7 @@ TF with oneDNN on and off (README, "Speed"):
 - convolutions with a float operand (the weight-only forward, both
   backprops) on a CPU with Intel AMX (``kernels.amx_usable()``), stride 1,
   float32 / float16 / bfloat16, SAME or VALID padding and at least
-  AMX_MIN_PIXELS input pixels (batch x H x W), backprops also at least
+  AMX_MIN_PIXELS input pixels (batch x H x W), dW also at least
   AMX_MIN_TAPS kernel taps unless the input was kept as packed bits:
   tapehook's kernels, which run them as exact bf16x3 AMX GEMMs
   (cc_kernels/core/amx_conv.h) — except the dW of a weight-only conv (float x
@@ -46,7 +46,7 @@ def policy() -> str:
 # The AMX kernels split their float operand and pack sign(W) before the GEMM;
 # below these sizes that preparation outweighs the GEMM and stock convs win.
 # Bench (oneDNN on): batch-1 14x14x256 (196 pixels) at parity to 1.15x;
-# 1x1 float backprops 0.9-1.0x, 1x1 forward 1.2-1.3x.
+# 1x1: forward 1.2-1.3x, dX 1.2x, a float-input dW 0.96-1.07x.
 AMX_MIN_TAPS = 4
 AMX_MIN_PIXELS = 128
 
@@ -95,9 +95,9 @@ def backprop_path(attrs, dtype=None, x_shape=None, w_shape=None,
         return chosen
     if any(d != 1 for d in attrs["dilations"]):
         return KERNELS
-    # 1x1 backprops run about as fast as stock on AMX: take them when the
-    # kernels save unpacking the input bits.
-    min_taps = 1 if packed else AMX_MIN_TAPS
+    # A 1x1 dW runs about as fast as stock on AMX: take it only when the
+    # kernels save unpacking the input bits. A 1x1 dX wins (1.2x).
+    min_taps = 1 if packed or not filter_grad else AMX_MIN_TAPS
     if not _amx_fits(attrs, dtype, x_shape, w_shape, min_taps):
         return STOCK
     # dW of a weight-only conv is float x float: no exact operand, so AMX needs

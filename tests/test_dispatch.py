@@ -58,9 +58,9 @@ def test_auto_routes_and_matches_reference(monkeypatch, mode, activations, dilat
 
 
 @pytest.mark.parametrize("activations,x_shape,w_shape,compiled", [
-    # 1x1: the forward on AMX, backprops on stock (fewer taps than
-    # AMX_MIN_TAPS) unless the input was kept packed
-    (False, (2, 16, 16, 3), (1, 1, 3, 4), dict(NONE, forward=1)),
+    # 1x1: dW on stock (fewer taps than AMX_MIN_TAPS) unless the input was
+    # kept packed; the forward and dX on AMX
+    (False, (2, 16, 16, 3), (1, 1, 3, 4), dict(ONE, backprop_filter=0)),
     (True, (2, 32, 32, 3), (1, 1, 3, 4), ONE),
     # fewer pixels than AMX_MIN_PIXELS: stock (the bitpacked forward aside)
     (False, (1, 10, 10, 3), (3, 3, 3, 4), NONE),
