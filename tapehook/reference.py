@@ -85,11 +85,11 @@ def binary_conv2d_backward(x, w, dy, spec, strides, padding, explicit_paddings,
     dilated conv differentiates tf.nn.convolution (SpaceToBatchND) instead.
     ``w_parts``: (alpha sign W, alpha) when the forward already computed them.
     """
+    dilated = any(d != 1 for d in dilations)
     if w_parts is None:
         a = alpha(w, spec.scale)
-        w_parts = (scaled_sign(w, a), a)
+        w_parts = (scaled_sign(w, a) if need_dx or dilated else None, a)
     w_hat, a = w_parts
-    dilated = any(d != 1 for d in dilations)
     x_hat = binarize_input(x, spec) if need_dw or dilated else None
     if dilated:
         with tf.GradientTape() as tape:

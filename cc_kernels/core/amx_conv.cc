@@ -12,7 +12,6 @@
 // blocks with no im2col copy. Grid positions that are not output pixels
 // (ow >= out_w, oh >= out_h) are computed and dropped.
 #include "amx_conv.h"
-#include "pack_input.h"
 
 #include <algorithm>
 #include <cmath>
@@ -24,6 +23,8 @@
 #include <mutex>
 #include <utility>
 #include <vector>
+
+#include "pack_input.h"
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -164,8 +165,8 @@ inline void Split3(float v, uint16_t* hi, uint16_t* mid, uint16_t* lo) {
 
 // out[0, n) = hi parts, out[kp, kp + n) = mid, out[2 kp, 2 kp + n) = lo of
 // v[i] * scale[i] (scale may be null); zeros up to each kp.
-void SplitRowPortable(const float* v, const float* scale, int64_t n,
-                      int64_t kp, uint16_t* out) {
+void SplitRowPortable(const float* v, const float* scale, int64_t n, int64_t kp,
+                      uint16_t* out) {
   for (int64_t i = 0; i < n; ++i) {
     const float t = scale ? v[i] * scale[i] : v[i];
     Split3(t, out + i, out + kp + i, out + 2 * kp + i);
@@ -180,9 +181,9 @@ TAPEHOOK_AMX void SplitRow512(const float* v, const float* scale, int64_t n,
                               int64_t kp, uint16_t* out) {
   const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t i = 0; i < kp; i += 16) {
-    const __mmask16 m =
-        i + 16 <= n ? __mmask16(0xFFFF)
-                    : __mmask16(i >= n ? 0 : (1u << (n - i)) - 1);
+    const __mmask16 m = i + 16 <= n
+                            ? __mmask16(0xFFFF)
+                            : __mmask16(i >= n ? 0 : (1u << (n - i)) - 1);
     __m512 t = _mm512_maskz_loadu_ps(m, v + i);
     if (scale) t = _mm512_mul_ps(t, _mm512_maskz_loadu_ps(m, scale + i));
     const __m512i hb = _mm512_and_si512(_mm512_castps_si512(t), top);
@@ -219,14 +220,16 @@ TAPEHOOK_AMX void SignRow512(const float* v, int64_t n, uint16_t* out) {
   const __m512i minus_one = _mm512_set1_epi16(static_cast<short>(kMinusOne));
   uint32_t ge = 0;  // bit c: v[c] >= 0
   for (int64_t h = 0; h < 2; ++h) {
-    const int64_t left = std::max<int64_t>(0, std::min<int64_t>(16, n - 16 * h));
+    const int64_t left =
+        std::max<int64_t>(0, std::min<int64_t>(16, n - 16 * h));
     const __mmask16 m = static_cast<__mmask16>((uint32_t{1} << left) - 1);
     const __m512 t = _mm512_maskz_loadu_ps(m, v + 16 * h);
-    ge |= uint32_t{_mm512_mask_cmp_ps_mask(m, t, _mm512_setzero_ps(),
-                                           _CMP_GE_OQ)} << (16 * h);
+    ge |=
+        uint32_t{_mm512_mask_cmp_ps_mask(m, t, _mm512_setzero_ps(), _CMP_GE_OQ)}
+        << (16 * h);
   }
-  const __mmask32 valid = static_cast<__mmask32>(
-      n >= 32 ? 0xFFFFFFFFu : (uint32_t{1} << n) - 1);
+  const __mmask32 valid =
+      static_cast<__mmask32>(n >= 32 ? 0xFFFFFFFFu : (uint32_t{1} << n) - 1);
   const __m512i signs = _mm512_mask_blend_epi16(ge, minus_one, one);
   _mm512_storeu_si512(out, _mm512_maskz_mov_epi16(valid, signs));
 }
@@ -234,9 +237,10 @@ TAPEHOOK_AMX void SignRow512(const float* v, int64_t n, uint16_t* out) {
 
 // out[0, 32) = bf16 sign of channels [c0, c0 + n) from packed sign bits
 // (pack_input.h: channel c is bit 7 - 2 (c % 4) of byte c / 4), then zeros.
-void SignRowFromBits(const uint8_t* bits, int64_t c0, int64_t n,
-                     uint16_t* out) {
-  for (int64_t j = 0; j < n; ++j) {  // branch-free: -1 with the sign bit flipped
+[[maybe_unused]] void SignRowFromBits(const uint8_t* bits, int64_t c0,
+                                      int64_t n, uint16_t* out) {
+  // Branch-free: -1 with its sign bit flipped where the sign bit is set.
+  for (int64_t j = 0; j < n; ++j) {
     const int64_t c = c0 + j;
     const unsigned bit = (bits[c >> 2] >> (7 - 2 * (c & 3))) & 1u;
     out[j] = static_cast<uint16_t>(kMinusOne ^ (bit << 15));
@@ -283,11 +287,14 @@ TAPEHOOK_AMX void StoreMaskedRow512(const float* left, const float* right,
   keep &= n >= 32 ? 0xFFFFFFFFu : (1u << n) - 1;
   const __mmask16 lo = static_cast<__mmask16>(keep);
   const __mmask16 hi = static_cast<__mmask16>(keep >> 16);
-  const __mmask16 lo_n = static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
-  const __mmask16 hi_n =
-      static_cast<__mmask16>(n >= 32 ? 0xFFFF : n > 16 ? (1u << (n - 16)) - 1 : 0);
+  const __mmask16 lo_n =
+      static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1);
+  const __mmask16 hi_n = static_cast<__mmask16>(n >= 32  ? 0xFFFF
+                                                : n > 16 ? (1u << (n - 16)) - 1
+                                                         : 0);
   _mm512_mask_storeu_ps(dst, lo_n, _mm512_maskz_loadu_ps(lo, left));
-  if (hi_n) _mm512_mask_storeu_ps(dst + 16, hi_n, _mm512_maskz_loadu_ps(hi, right));
+  if (hi_n)
+    _mm512_mask_storeu_ps(dst + 16, hi_n, _mm512_maskz_loadu_ps(hi, right));
 }
 #endif
 
@@ -299,7 +306,7 @@ void StoreMaskedRow(const float* left, const float* right, int64_t n,
   StoreMaskedRowPortable(left, right, n, bits, dst);
 }
 
-void SignRow(const float* v, int64_t n, uint16_t* out) {
+[[maybe_unused]] void SignRow(const float* v, int64_t n, uint16_t* out) {
 #if TAPEHOOK_HAVE_AMX_PATH
   return SignRow512(v, n, out);
 #endif
@@ -325,17 +332,18 @@ void InterleaveSplitPairPortable(const float* r0, const float* r1, int64_t n,
 // The AVX-512 version: a pair's bf16 parts form one 32-bit word
 // (row 1's part << 16 | row 0's part), so no shuffles are needed.
 TAPEHOOK_AMX void InterleaveSplitPair512(const float* r0, const float* r1,
-                                         int64_t n, int64_t n_pad,
-                                         int64_t base, uint16_t* const* out) {
+                                         int64_t n, int64_t n_pad, int64_t base,
+                                         uint16_t* const* out) {
   const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t o = 0; o < n_pad; o += 16) {
-    const __mmask16 m =
-        o + 16 <= n ? __mmask16(0xFFFF)
-                    : __mmask16(o >= n ? 0 : (1u << (n - o)) - 1);
+    const __mmask16 m = o + 16 <= n
+                            ? __mmask16(0xFFFF)
+                            : __mmask16(o >= n ? 0 : (1u << (n - o)) - 1);
     __m512i parts[2][3];
     for (int e = 0; e < 2; ++e) {
       const float* r = e == 0 ? r0 : r1;
-      const __m512 t = r ? _mm512_maskz_loadu_ps(m, r + o) : _mm512_setzero_ps();
+      const __m512 t =
+          r ? _mm512_maskz_loadu_ps(m, r + o) : _mm512_setzero_ps();
       const __m512i hb = _mm512_and_si512(_mm512_castps_si512(t), top);
       const __m512 rem = _mm512_sub_ps(t, _mm512_castsi512_ps(hb));
       const __m512i mb = _mm512_and_si512(_mm512_castps_si512(rem), top);
@@ -354,8 +362,9 @@ TAPEHOOK_AMX void InterleaveSplitPair512(const float* r0, const float* r1,
 }
 #endif
 
-void InterleaveSplitPair(const float* r0, const float* r1, int64_t n,
-                         int64_t n_pad, int64_t base, uint16_t* const* out) {
+[[maybe_unused]] void InterleaveSplitPair(const float* r0, const float* r1,
+                                          int64_t n, int64_t n_pad,
+                                          int64_t base, uint16_t* const* out) {
 #if TAPEHOOK_HAVE_AMX_PATH
   if (n_pad % 16 == 0) {
     return InterleaveSplitPair512(r0, r1, n, n_pad, base, out);
@@ -363,7 +372,6 @@ void InterleaveSplitPair(const float* r0, const float* r1, int64_t n,
 #endif
   InterleaveSplitPairPortable(r0, r1, n, n_pad, base, out);
 }
-
 
 // dst[c * ld_dst + r] = src[r * ld_src + c] for an 8 x 8 block of 16-bit
 // values: three rounds of interleaves (SSE2, the x86-64 baseline).
@@ -424,8 +432,8 @@ inline float ActGrad(Estimator e, float x, double clip) {
 
 // dst[k] = src[k] * scale[k] [* 1{|w[k]| <= clip} when clip >= 0], k < n
 // (n <= 16): one row segment of dW.
-void ScaleAndMaskPortable(const float* src, const float* scale,
-                          const float* w, float clip, int64_t n, float* dst) {
+void ScaleAndMaskPortable(const float* src, const float* scale, const float* w,
+                          float clip, int64_t n, float* dst) {
   for (int64_t k = 0; k < n; ++k) {
     const float v = src[k] * scale[k];
     dst[k] = clip < 0 || std::abs(w[k]) <= clip ? v : 0.0f;
@@ -448,8 +456,9 @@ TAPEHOOK_AMX void ScaleAndMask512(const float* src, const float* scale,
 }
 #endif
 
-void ScaleAndMask(const float* src, const float* scale, const float* w,
-                  float clip, int64_t n, float* dst) {
+[[maybe_unused]] void ScaleAndMask(const float* src, const float* scale,
+                                   const float* w, float clip, int64_t n,
+                                   float* dst) {
 #if TAPEHOOK_HAVE_AMX_PATH
   return ScaleAndMask512(src, scale, w, clip, n, dst);
 #endif
@@ -459,9 +468,9 @@ void ScaleAndMask(const float* src, const float* scale, const float* w,
 // The padded input of a stride-1 conv as a q grid (see the file comment).
 struct Grid {
   int64_t batch, hp, wp;
-  int64_t top, left;       // zero rows / columns before the data
-  int64_t rows, cols;      // data size (in_h, in_w of what is padded)
-  int64_t out_h, out_w;    // the output pixels that live on the grid
+  int64_t top, left;     // zero rows / columns before the data
+  int64_t rows, cols;    // data size (in_h, in_w of what is padded)
+  int64_t out_h, out_w;  // the output pixels that live on the grid
   int64_t plane() const { return hp * wp; }
   // One past the last output pixel's q.
   int64_t q_end() const {
@@ -528,7 +537,7 @@ struct ShiftedGemm {
 };
 
 // q pairs per window refill: about 512 KiB of rows, 4 to 32 pairs.
-int64_t WindowPairs(int64_t ka) {
+[[maybe_unused]] int64_t WindowPairs(int64_t ka) {
   return std::max<int64_t>(4, std::min<int64_t>(32, (512 << 10) / (64 * ka)));
 }
 
@@ -554,8 +563,8 @@ TAPEHOOK_AMX void ConfigureTiles() {
 // Units [u0, u1) of g.units(): unit u is (group, q pair, o pair in group),
 // in that order of significance. Tiles 0-3 accumulate the 2 x 2 block, 4-5
 // hold A, 6-7 hold B.
-TAPEHOOK_AMX void ShiftedGemmUnits(const ShiftedGemm& g, int64_t u0,
-                                   int64_t u1, const BlockStore& store) {
+TAPEHOOK_AMX void ShiftedGemmUnits(const ShiftedGemm& g, int64_t u0, int64_t u1,
+                                   const BlockStore& store) {
   ConfigureTiles();
   alignas(64) float c[4][256];
   const int64_t chunks = g.kp / 32, ka = 3 * g.kp, lda = ka * 2;
@@ -651,7 +660,8 @@ std::unique_ptr<Buffer> SignMatrix(const float* w, int64_t taps, int64_t C,
         std::fill(rows.begin(), rows.end(), uint16_t{0});
         for (int64_t c = c0; c < std::min(C, c0 + 8); ++c) {
           const float* wr = w + ((taps - 1 - t) * C + c) * O;
-          for (int64_t o = 0; o < O; ++o) rows[(c - c0) * o8 + o] = SignBf16(wr[o]);
+          for (int64_t o = 0; o < O; ++o)
+            rows[(c - c0) * o8 + o] = SignBf16(wr[o]);
         }
         for (int64_t o0 = 0; o0 < o8; o0 += 8) {  // kp >= o8, n_pad >= c0 + 8
           Transpose8x8(&rows[o0], o8, st + o0 * n_pad + c0, n_pad);
@@ -674,8 +684,8 @@ void PackShiftedB(const uint16_t* sm, int64_t taps, int64_t kp, int64_t n_pad,
       for (int64_t kc = 0; kc < chunks; ++kc) {
         for (int64_t j = 0; j < 2; ++j) {
           for (int64_t kpair = 0; kpair < 16; ++kpair, out += 32) {
-            const uint16_t* r0 = sm + (t * kp + kc * 32 + 2 * kpair) * n_pad +
-                                 op * 32 + j * 16;
+            const uint16_t* r0 =
+                sm + (t * kp + kc * 32 + 2 * kpair) * n_pad + op * 32 + j * 16;
             InterleaveRows16(r0, r0 + n_pad, out);
           }
         }
@@ -703,11 +713,13 @@ void FillSplitRange(const Grid& grid, const float* data, const float* scale,
 }
 
 // ShiftedGemm::fill over a grid of `data` pixels.
-std::function<void(int64_t, int64_t, uint16_t*)> SplitFill(
-    const Grid& grid, const float* data, const float* scale, int64_t channels,
-    int64_t kp) {
+std::function<void(int64_t, int64_t, uint16_t*)> SplitFill(const Grid& grid,
+                                                           const float* data,
+                                                           const float* scale,
+                                                           int64_t channels,
+                                                           int64_t kp) {
   return [&grid, data, scale, channels, kp](int64_t r0, int64_t r1,
-                                           uint16_t* dst) {
+                                            uint16_t* dst) {
     FillSplitRange(grid, data, scale, channels, kp, r0, r1, dst);
   };
 }
@@ -769,8 +781,7 @@ struct FilterGemm {
 // channels) and dy (32 channels), about 1 MiB that stays in L2 while it runs
 // every tap and c pair of the group over it, so items can be sharded any way
 // without re-reading memory.
-TAPEHOOK_AMX void FilterGemmItems(const FilterGemm& g, int64_t i0,
-                                  int64_t i1) {
+TAPEHOOK_AMX void FilterGemmItems(const FilterGemm& g, int64_t i0, int64_t i1) {
   ConfigureTiles();
   const int64_t lda = g.qa * 2, ldb = g.o_pad * 4;
   const int64_t units = g.taps * g.c_pairs * g.o_pairs;
@@ -840,8 +851,8 @@ Grid InputGrid(const ConvShape& s) {
 }
 
 bool NonEmpty(const ConvShape& s) {
-  return s.batch > 0 && s.in_h > 0 && s.in_w > 0 && s.in_c > 0 &&
-         s.out_c > 0 && s.out_h > 0 && s.out_w > 0 && s.k_h > 0 && s.k_w > 0;
+  return s.batch > 0 && s.in_h > 0 && s.in_w > 0 && s.in_c > 0 && s.out_c > 0 &&
+         s.out_h > 0 && s.out_w > 0 && s.k_h > 0 && s.k_w > 0;
 }
 
 }  // namespace
@@ -877,7 +888,6 @@ bool Forward(const ConvShape& s, const float* x, const float* w,
   const int64_t q_pairs = (grid.q_end() + 31) / 32;
   const int64_t rows = q_pairs * 32 + tp.max_off;
   const int64_t o_pairs = (O + 31) / 32;
-
 
   Buffer b(o_pairs * taps * kp * 32);
   {
@@ -945,16 +955,17 @@ bool BackpropInputImpl(const ConvShape& s, const float* x,
   }
 
   const std::vector<float> ones(32, 1.0f);
-  const ShiftedGemm g{kp,
-                      tp.off.data(),
-                      taps,
-                      b.p,
-                      c_pairs,
-                      q_pairs,
-                      OGroup(c_pairs, taps, kp),
-                      SplitFill(grid, dy, alpha ? scale.data() : nullptr, O, kp),
-                      rows,
-                      tp.max_off};
+  const ShiftedGemm g{
+      kp,
+      tp.off.data(),
+      taps,
+      b.p,
+      c_pairs,
+      q_pairs,
+      OGroup(c_pairs, taps, kp),
+      SplitFill(grid, dy, alpha ? scale.data() : nullptr, O, kp),
+      rows,
+      tp.max_off};
   RunShiftedGemm(
       g,
       [&](int64_t q0, int64_t c0, const float (*acc)[256]) {
@@ -994,9 +1005,9 @@ bool BackpropInputImpl(const ConvShape& s, const float* x,
 }
 
 bool BackpropFilterImpl(const ConvShape& s, const float* x,
-                        const uint8_t* packed, const float* w,
-                        const float* dy, Estimator act_est, Estimator w_est,
-                        double clip, const float* alpha, float* dw,
+                        const uint8_t* packed, const float* w, const float* dy,
+                        Estimator act_est, Estimator w_est, double clip,
+                        const float* alpha, float* dw,
                         const ParallelFor& parallel_for) {
   if (!SupportsBackpropFilter(s) || !Usable()) return false;
 #if TAPEHOOK_HAVE_AMX_PATH
@@ -1020,38 +1031,40 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
   // then write each channel's run of 128 values.
   constexpr int64_t kQBlock = 128;
   const int64_t q_blocks = (qa + kQBlock - 1) / kQBlock;
-  parallel_for(q_blocks * (c_pad / 32), kQBlock * 32 * 8,
-               [&](int64_t v0, int64_t v1) {
-    std::vector<uint16_t> tmp(kQBlock * 96);
-    for (int64_t v = v0; v < v1; ++v) {
-      const int64_t q0 = v / (c_pad / 32) * kQBlock, c0 = v % (c_pad / 32) * 32;
-      const int64_t nq = std::min(kQBlock, qa - q0);
-      const int64_t nc = std::max<int64_t>(0, std::min<int64_t>(32, C - c0));
-      for (int64_t i = 0; i < nq; ++i) {
-        uint16_t* row = &tmp[i * 96];
-        const int64_t p = grid.DataPixel(q0 + i);
-        if (p < 0 || nc == 0) {
-          std::fill(row, row + 96, uint16_t{0});
-        } else if (binary) {
-          if (packed != nullptr) {
-            SignRowFromBits(packed + p * PackedBytes(C), c0, nc, row);
-          } else {
-            SignRow(x + p * C + c0, nc, row);
+  parallel_for(
+      q_blocks * (c_pad / 32), kQBlock * 32 * 8, [&](int64_t v0, int64_t v1) {
+        std::vector<uint16_t> tmp(kQBlock * 96);
+        for (int64_t v = v0; v < v1; ++v) {
+          const int64_t q0 = v / (c_pad / 32) * kQBlock,
+                        c0 = v % (c_pad / 32) * 32;
+          const int64_t nq = std::min(kQBlock, qa - q0);
+          const int64_t nc =
+              std::max<int64_t>(0, std::min<int64_t>(32, C - c0));
+          for (int64_t i = 0; i < nq; ++i) {
+            uint16_t* row = &tmp[i * 96];
+            const int64_t p = grid.DataPixel(q0 + i);
+            if (p < 0 || nc == 0) {
+              std::fill(row, row + 96, uint16_t{0});
+            } else if (binary) {
+              if (packed != nullptr) {
+                SignRowFromBits(packed + p * PackedBytes(C), c0, nc, row);
+              } else {
+                SignRow(x + p * C + c0, nc, row);
+              }
+            } else {
+              SplitRow(x + p * C + c0, nullptr, nc, 32, row);
+            }
           }
-        } else {
-          SplitRow(x + p * C + c0, nullptr, nc, 32, row);
-        }
-      }
-      for (int i = 0; i < x_n; ++i) {  // nq is a multiple of 32
-        for (int64_t c8 = 0; c8 < 32; c8 += 8) {
-          for (int64_t q8 = 0; q8 < nq; q8 += 8) {
-            Transpose8x8(&tmp[q8 * 96 + i * 32 + c8], 96,
-                         xb[i]->p + (c0 + c8) * qa + q0 + q8, qa);
+          for (int i = 0; i < x_n; ++i) {  // nq is a multiple of 32
+            for (int64_t c8 = 0; c8 < 32; c8 += 8) {
+              for (int64_t q8 = 0; q8 < nq; q8 += 8) {
+                Transpose8x8(&tmp[q8 * 96 + i * 32 + c8], 96,
+                             xb[i]->p + (c0 + c8) * qa + q0 + q8, qa);
+              }
+            }
           }
         }
-      }
-    }
-  });
+      });
 
   // dy on the grid, split, pair-interleaved: d_parts[i][q / 2][o][q % 2].
   std::vector<std::unique_ptr<Buffer>> db;
@@ -1071,7 +1084,8 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
   });
 
   static const int kBinX[] = {0, 0, 0}, kBinD[] = {0, 1, 2};
-  static const int kFloatX[] = {0, 0, 0, 1, 1, 2}, kFloatD[] = {0, 1, 2, 0, 1, 0};
+  static const int kFloatX[] = {0, 0, 0, 1, 1, 2},
+                   kFloatD[] = {0, 1, 2, 0, 1, 0};
   const int64_t c_pairs = c_pad / 32, o_pairs = o_pad / 32;
   const int64_t units = taps * c_pairs * o_pairs;
   // K block: one item's columns of x (all channels) and dy (one o pair)
@@ -1182,8 +1196,8 @@ bool BackpropFilter(const ConvShape& s, const float* x, const float* w,
 bool BackpropInputPacked(const ConvShape& s, const uint8_t* packed,
                          const float* w, const float* dy, const float* alpha,
                          float* dx, const ParallelFor& parallel_for) {
-  return BackpropInputImpl(s, nullptr, packed, w, dy, Estimator::kSteSign,
-                           1.0, alpha, dx, parallel_for);
+  return BackpropInputImpl(s, nullptr, packed, w, dy, Estimator::kSteSign, 1.0,
+                           alpha, dx, parallel_for);
 }
 
 bool BackpropFilterPacked(const ConvShape& s, const uint8_t* packed,

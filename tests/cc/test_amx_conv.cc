@@ -15,9 +15,9 @@
 // AMX.
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -42,9 +42,8 @@ void Check(bool ok, const char* what) {
 }
 
 const tapehook::ParallelFor kSerial =
-    [](int64_t total, int64_t, const std::function<void(int64_t, int64_t)>& fn) {
-      fn(0, total);
-    };
+    [](int64_t total, int64_t,
+       const std::function<void(int64_t, int64_t)>& fn) { fn(0, total); };
 
 // Floats with all 24 significand bits random, exponents in [-40, 40], both
 // signs, and a few zeros and negative zeros.
@@ -69,7 +68,9 @@ std::vector<float> FullMantissa(std::mt19937_64& rng, size_t n) {
 
 float SignOf(float t) { return t >= 0 ? 1.0f : -1.0f; }
 
-bool SameBits(float a, float b) { return std::memcmp(&a, &b, 4) == 0 || a == b; }
+bool SameBits(float a, float b) {
+  return std::memcmp(&a, &b, 4) == 0 || a == b;
+}
 
 ConvShape Shape1x1(int64_t batch, int64_t h, int64_t w, int64_t c, int64_t o) {
   ConvShape s;
@@ -119,7 +120,8 @@ void TestBackpropInputSingleProduct(std::mt19937_64& rng) {
     for (size_t p = 0; p < dy.size(); ++p) {
       for (int c = 0; c < 41; ++c) {
         const float mask =
-            est == Estimator::kNone || std::abs(x[p * 41 + c]) <= 1.0f ? 1.f : 0.f;
+            est == Estimator::kNone || std::abs(x[p * 41 + c]) <= 1.0f ? 1.f
+                                                                       : 0.f;
         const float want = dy[p] * (alpha * SignOf(w[c])) * mask;
         bad += !SameBits(dx[p * 41 + c], want);
       }
@@ -193,7 +195,8 @@ void TestPackedBackprops(std::mt19937_64& rng, int cases) {
                                 tapehook::PackedBytes(s.in_c));
     tapehook::PackSignMask(x.data(), s.batch * s.in_h * s.in_w, s.in_c, clip,
                            packed.data(), kSerial);
-    const auto scale = i % 2 ? tapehook::Scale::kMeanAbs : tapehook::Scale::kNone;
+    const auto scale =
+        i % 2 ? tapehook::Scale::kMeanAbs : tapehook::Scale::kNone;
     std::vector<float> want(x.size()), got(x.size());
     tapehook::BinaryConv2DBackpropInput(s, x.data(), w.data(), dy.data(),
                                         Estimator::kSteSign, clip, scale,
@@ -204,14 +207,12 @@ void TestPackedBackprops(std::mt19937_64& rng, int cases) {
     Check(std::memcmp(want.data(), got.data(), 4 * want.size()) == 0,
           "packed backprop-input == float-input one");
     std::vector<float> want_w(w.size()), got_w(w.size());
-    tapehook::BinaryConv2DBackpropFilter(s, x.data(), w.data(), dy.data(),
-                                         Estimator::kSteSign,
-                                         Estimator::kSteSign, clip, scale,
-                                         want_w.data(), kSerial);
-    tapehook::BinaryConv2DBackpropFilterPacked(s, packed.data(), w.data(),
-                                               dy.data(), Estimator::kSteSign,
-                                               clip, scale, got_w.data(),
-                                               kSerial);
+    tapehook::BinaryConv2DBackpropFilter(
+        s, x.data(), w.data(), dy.data(), Estimator::kSteSign,
+        Estimator::kSteSign, clip, scale, want_w.data(), kSerial);
+    tapehook::BinaryConv2DBackpropFilterPacked(
+        s, packed.data(), w.data(), dy.data(), Estimator::kSteSign, clip, scale,
+        got_w.data(), kSerial);
     Check(std::memcmp(want_w.data(), got_w.data(), 4 * want_w.size()) == 0,
           "packed backprop-filter == float-input one");
   }
@@ -232,15 +233,13 @@ void TestBackpropFilterBlocking(std::mt19937_64& rng, int64_t hw, int64_t c) {
   for (float& t : dy) t = normal(rng);
   for (Estimator act : {Estimator::kSteSign, Estimator::kNone}) {
     std::vector<float> got(w.size()), want(w.size());
-    tapehook::BinaryConv2DBackpropFilter(s, x.data(), w.data(), dy.data(), act,
-                                         Estimator::kSteSign, 1.0,
-                                         tapehook::Scale::kMeanAbs, got.data(),
-                                         kSerial);
+    tapehook::BinaryConv2DBackpropFilter(
+        s, x.data(), w.data(), dy.data(), act, Estimator::kSteSign, 1.0,
+        tapehook::Scale::kMeanAbs, got.data(), kSerial);
     setenv("TAPEHOOK_NO_AMX", "1", /*overwrite=*/1);
-    tapehook::BinaryConv2DBackpropFilter(s, x.data(), w.data(), dy.data(), act,
-                                         Estimator::kSteSign, 1.0,
-                                         tapehook::Scale::kMeanAbs,
-                                         want.data(), kSerial);
+    tapehook::BinaryConv2DBackpropFilter(
+        s, x.data(), w.data(), dy.data(), act, Estimator::kSteSign, 1.0,
+        tapehook::Scale::kMeanAbs, want.data(), kSerial);
     unsetenv("TAPEHOOK_NO_AMX");
     double scale = 0, err = 0;
     for (size_t i = 0; i < w.size(); ++i) {
