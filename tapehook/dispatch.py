@@ -52,8 +52,13 @@ AMX_MIN_PIXELS = 128
 
 
 def _known(shape, dims):
-    return (shape is not None and len(shape) == 4
-            and None not in tuple(shape[:dims]))
+    """Whether a static 4-D shape has its first ``dims`` dims known (False for
+    None and for shapes of unknown rank)."""
+    try:
+        dims_list = list(shape)
+    except (TypeError, ValueError):  # None, or a TensorShape of unknown rank
+        return False
+    return len(dims_list) == 4 and None not in dims_list[:dims]
 
 
 def _amx_fits(attrs, dtype, x_shape=None, w_shape=None, min_taps=1) -> bool:

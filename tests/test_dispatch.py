@@ -97,3 +97,28 @@ def test_stock_policy_and_bad_policy(monkeypatch):
     monkeypatch.setenv("TAPEHOOK_DISPATCH", "fastest")
     with pytest.raises(tapehook.TapehookError, match="TAPEHOOK_DISPATCH='fastest'"):
         tf.nn.conv2d(x, w, 1, "SAME")
+
+
+@pytest.mark.parametrize("activations", [False, True])
+def test_auto_with_unknown_static_shapes(monkeypatch, activations):
+    """A traced input of unknown rank / batch goes through the dispatcher (unknown
+    dims count as large) and still matches the reference."""
+    monkeypatch.setenv("TAPEHOOK_DISPATCH", "auto")
+    spec = tapehook.BinarySpec(activations=activations, scale="mean_abs")
+    x, w0 = random_inputs((2, 9, 9, 3), (3, 3, 3, 4))
+    g = upstream((2, 9, 9, 4), tf.float32)
+    w = tapehook.mark_binary(tf.Variable(w0), activations=activations, scale="mean_abs")
+    for signature in ([tf.TensorSpec(None, tf.float32)],
+                      [tf.TensorSpec([None, 9, 9, 3], tf.float32)]):
+        @tf.function(input_signature=signature)
+        def step(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = tf.nn.conv2d(x, w, 1, "SAME")
+            return (y,) + tuple(tape.gradient(y, [x, w], output_gradients=g))
+
+        y, dx, dw = step(x)
+        ry, rdx, rdw = reference_result(x, w0, spec, g)
+        assert_close(y, ry, what="forward")
+        assert_close(dx, rdx, what="dX")
+        assert_close(dw, rdw, what="dW")
