@@ -5,6 +5,7 @@ tf.custom_gradient), which is itself checked against a NumPy loop in
 test_reference.py.
 """
 
+import contextlib
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -100,94 +101,89 @@ def _loss(y, g):
     return tf.reduce_sum(tf.cast(y, tf.float32) * tf.cast(g, tf.float32))
 
 
-def run_eager(x, w0, g, conv, mark):
+def run_mode(mode, x, w0, g, forward, prepare=lambda w: None, scope=None,
+             loss=_loss):
+    """(y, dL/dx, dL/dw) for L = loss(forward(x, w), g) with w = tf.Variable(w0)
+    passed to ``prepare`` first, in one of the execution modes of MODE_NAMES.
+    ``forward`` runs inside ``scope`` (a context manager, entered where the
+    forward is built) and the gradient is built after the scope closed."""
+    scope = scope if scope is not None else contextlib.nullcontext()
+
+    if mode in ("v1_gradients", "v1_tape"):
+        graph = tf.Graph()
+        with graph.as_default():
+            w = tf.Variable(np.asarray(w0))
+            prepare(w)
+            xg = tf.constant(np.asarray(x))
+            # v1_gradients builds no tape at all: graph gradients only
+            with (tf.GradientTape() if mode == "v1_tape"
+                  else contextlib.nullcontext()) as tape:
+                if tape is not None:
+                    tape.watch(xg)
+                with scope:
+                    y = forward(xg, w)
+                value = loss(y, np.asarray(g))
+            if mode == "v1_tape":
+                dx, dw = tape.gradient(value, [xg, w])
+            else:
+                dx, dw = tf.compat.v1.gradients(value, [xg, w])
+            with tf.compat.v1.Session(graph=graph) as sess:
+                sess.run(tf.compat.v1.global_variables_initializer())
+                return sess.run([y, dx, dw])
+
     w = tf.Variable(w0)
-    mark(w)
-    with tf.GradientTape() as tape:
-        tape.watch(x)
-        y = _conv(x, w, conv)  # the tf.Variable goes straight to tf.nn.conv2d
-        loss = _loss(y, g)
-    return (y, *tape.gradient(loss, [x, w]))
+    prepare(w)
+    x = tf.convert_to_tensor(x)
 
-
-def run_tape_in_function(x, w0, g, conv, mark):
-    w = tf.Variable(w0)
-    mark(w)
-
-    @tf.function
     def step(x):
         with tf.GradientTape() as tape:
             tape.watch(x)
-            y = _conv(x, w, conv)
-            loss = _loss(y, g)
-        return (y, *tape.gradient(loss, [x, w]))
+            with scope:
+                y = forward(x, w)  # a tf.Variable goes straight to the op
+            value = loss(y, g)
+        return (y, *tape.gradient(value, [x, w]))
 
-    return step(x)
-
-
-def run_function_under_tape(x, w0, g, conv, mark):
-    w = tf.Variable(w0)
-    mark(w)
-    forward = tf.function(lambda x: _conv(x, w, conv))
-    with tf.GradientTape() as tape:
-        tape.watch(x)
-        y = forward(x)
-        loss = _loss(y, g)
-    return (y, *tape.gradient(loss, [x, w]))
-
-
-def run_nested_functions(x, w0, g, conv, mark):
-    w = tf.Variable(w0)
-    mark(w)
-    inner = tf.function(lambda x: tf.identity(_conv(x, w, conv)))
-
-    @tf.function
-    def outer(x):
-        with tf.GradientTape() as tape:
+    if mode == "eager":
+        return step(x)
+    if mode == "tape_in_function":
+        return tf.function(step)(x)
+    if mode == "function_under_tape":
+        function = tf.function(lambda x: forward(x, w))
+        with scope:
+            function.get_concrete_function(x)  # traced inside the scope
+        with tf.GradientTape() as tape:  # called and differentiated outside it
             tape.watch(x)
-            y = tf.function(lambda x: inner(x))(x)
-            loss = _loss(y, g)
-        return (y, *tape.gradient(loss, [x, w]))
+            y = function(x)
+            value = loss(y, g)
+        return (y, *tape.gradient(value, [x, w]))
+    if mode == "nested_functions":
+        inner = tf.function(lambda x: tf.identity(forward(x, w)))
 
-    return outer(x)
-
-
-def _run_v1(x, w0, g, conv, mark, use_tape):
-    graph = tf.Graph()
-    with graph.as_default():
-        w = tf.Variable(w0.numpy())
-        mark(w)
-        xg = tf.constant(x.numpy())
-        if use_tape:
+        @tf.function
+        def outer(x):
             with tf.GradientTape() as tape:
-                tape.watch(xg)
-                y = _conv(xg, w, conv)
-                loss = _loss(y, g.numpy())
-            dx, dw = tape.gradient(loss, [xg, w])
-        else:
-            y = _conv(xg, w, conv)
-            dx, dw = tf.compat.v1.gradients(_loss(y, g.numpy()), [xg, w])
-        with tf.compat.v1.Session(graph=graph) as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            return sess.run([y, dx, dw])
+                tape.watch(x)
+                with scope:
+                    y = tf.function(lambda x: inner(x))(x)
+                value = loss(y, g)
+            return (y, *tape.gradient(value, [x, w]))
+
+        return outer(x)
+    raise ValueError(f"unknown mode {mode!r}")
 
 
-def run_v1_gradients(x, w0, g, conv, mark):
-    return _run_v1(x, w0, g, conv, mark, use_tape=False)
+MODE_NAMES = ("eager", "tape_in_function", "function_under_tape", "nested_functions",
+              "v1_gradients", "v1_tape")
 
 
-def run_v1_tape(x, w0, g, conv, mark):
-    return _run_v1(x, w0, g, conv, mark, use_tape=True)
+def _conv_mode(mode):
+    def run(x, w0, g, conv, mark):
+        return run_mode(mode, x, w0, g, lambda x, w: _conv(x, w, conv), prepare=mark)
+    return run
 
 
-MODES = {
-    "eager": run_eager,
-    "tape_in_function": run_tape_in_function,
-    "function_under_tape": run_function_under_tape,
-    "nested_functions": run_nested_functions,
-    "v1_gradients": run_v1_gradients,
-    "v1_tape": run_v1_tape,
-}
+# MODES[mode](x, w0, g, conv, mark): a conv through tf.nn.conv2d in that mode.
+MODES = {mode: _conv_mode(mode) for mode in MODE_NAMES}
 
 
 @pytest.fixture(autouse=True)

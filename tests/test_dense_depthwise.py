@@ -8,47 +8,16 @@ import pytest
 import tensorflow as tf
 
 import tapehook
-from conftest import SPEC_IDS, SPECS, assert_close, np_estimator_grad, np_sign, spec_kwargs
+from conftest import (SPEC_IDS, SPECS, assert_close, np_estimator_grad, np_sign, run_mode,
+                      spec_kwargs)
 
 GRAPH_MODES = ["eager", "tape_in_function", "function_under_tape", "v1_gradients"]
 
 
 def _run(mode, x, w0, g, op, mark):
     """(y, dx, dw) of loss = sum(op(x, w) * g) in one of conftest's modes."""
-    def body(x, w):
-        y = op(x, w)
-        return y, tf.reduce_sum(y * g)
-
-    if mode == "v1_gradients":
-        with tf.Graph().as_default() as graph:
-            w = tf.Variable(w0)
-            mark(w)
-            xg = tf.constant(x)
-            y, loss = body(xg, w)
-            dx, dw = tf.compat.v1.gradients(loss, [xg, w])
-            with tf.compat.v1.Session(graph=graph) as sess:
-                sess.run(w.initializer)
-                return sess.run([y, dx, dw])
-    w = tf.Variable(w0)
-    mark(w)
-    x = tf.constant(x)
-
-    def step(x):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            y, loss = body(x, w)
-        return (y, *tape.gradient(loss, [x, w]))
-
-    if mode == "eager":
-        return step(x)
-    if mode == "tape_in_function":
-        return tf.function(step)(x)
-    forward = tf.function(lambda x: body(x, w)[0])
-    with tf.GradientTape() as tape:
-        tape.watch(x)
-        y = forward(x)
-        loss = tf.reduce_sum(y * g)
-    return (y, *tape.gradient(loss, [x, w]))
+    return run_mode(mode, x, w0, g, op, prepare=mark,
+                    loss=lambda y, g: tf.reduce_sum(y * g))
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)

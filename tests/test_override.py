@@ -16,7 +16,7 @@ from tapehook import conv2d, override, reference
 from tapehook.compat import execute
 from tensorflow.python.eager import context
 from tapehook.override import override_gradient
-from conftest import assert_close
+from conftest import MODE_NAMES, assert_close, run_mode
 
 RNG = np.random.default_rng(7)
 U_SHAPE = (4, 5)
@@ -48,107 +48,23 @@ def scaled(factor):
     return lambda op, grad: grad * factor
 
 
-# --- every mode: run `forward(x, w)` inside `scope`, return (y, dL/dx, dL/dw)
-# for L = sum(y * g), with the gradient built after the scope closed.
+# --- every mode (conftest.run_mode): run `forward(x, w)` inside `scope`,
+# return (y, dL/dx, dL/dw) for L = sum(y * g), with the gradient built after
+# the scope closed.
 
 
 def _loss(y, g):
     return tf.reduce_sum(y * g)
 
 
-def run_eager(forward, scope, x, w0, g, prepare):
-    w = tf.Variable(w0)
-    prepare(w)
-    with tf.GradientTape() as tape:
-        tape.watch(x)
-        with scope:
-            y = forward(x, w)
-        loss = _loss(y, g)
-    return (y, *tape.gradient(loss, [x, w]))
+def _override_mode(mode):
+    def run(forward, scope, x, w0, g, prepare):
+        return run_mode(mode, x, w0, g, forward, prepare=prepare, scope=scope,
+                        loss=_loss)
+    return run
 
 
-def run_tape_in_function(forward, scope, x, w0, g, prepare):
-    w = tf.Variable(w0)
-    prepare(w)
-
-    @tf.function
-    def step(x):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            with scope:
-                y = forward(x, w)
-            loss = _loss(y, g)
-        return (y, *tape.gradient(loss, [x, w]))
-
-    return step(x)
-
-
-def run_function_under_tape(forward, scope, x, w0, g, prepare):
-    w = tf.Variable(w0)
-    prepare(w)
-    function = tf.function(lambda x: forward(x, w))
-    with scope:
-        function.get_concrete_function(x)  # traced inside the scope
-    with tf.GradientTape() as tape:  # called and differentiated outside it
-        tape.watch(x)
-        y = function(x)
-        loss = _loss(y, g)
-    return (y, *tape.gradient(loss, [x, w]))
-
-
-def run_nested_functions(forward, scope, x, w0, g, prepare):
-    w = tf.Variable(w0)
-    prepare(w)
-    inner = tf.function(lambda x: tf.identity(forward(x, w)))
-
-    @tf.function
-    def outer(x):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            with scope:
-                y = tf.function(lambda x: inner(x))(x)
-            loss = _loss(y, g)
-        return (y, *tape.gradient(loss, [x, w]))
-
-    return outer(x)
-
-
-def _run_v1(forward, scope, x, w0, g, prepare, use_tape):
-    graph = tf.Graph()
-    with graph.as_default():
-        w = tf.Variable(w0.numpy())
-        prepare(w)
-        xg = tf.constant(x.numpy())
-        with tf.GradientTape() as tape:
-            tape.watch(xg)
-            with scope:
-                y = forward(xg, w)
-            loss = _loss(y, g.numpy())
-        if use_tape:
-            dx, dw = tape.gradient(loss, [xg, w])
-        else:
-            dx, dw = tf.compat.v1.gradients(loss, [xg, w])
-        with tf.compat.v1.Session(graph=graph) as sess:
-            sess.run(tf.compat.v1.global_variables_initializer())
-            return sess.run([y, dx, dw])
-
-
-def run_v1_gradients(*args):
-    return _run_v1(*args, use_tape=False)
-
-
-def run_v1_tape(*args):
-    return _run_v1(*args, use_tape=True)
-
-
-MODES = {
-    "eager": run_eager,
-    "tape_in_function": run_tape_in_function,
-    "function_under_tape": run_function_under_tape,
-    "nested_functions": run_nested_functions,
-    "v1_gradients": run_v1_gradients,
-    "v1_tape": run_v1_tape,
-}
+MODES = {mode: _override_mode(mode) for mode in MODE_NAMES}
 
 
 def no_mark(w):
