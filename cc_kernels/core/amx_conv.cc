@@ -834,20 +834,30 @@ TAPEHOOK_AMX void FilterGemmItems(const FilterGemm& g, int64_t i0, int64_t i1) {
 }
 #endif
 
+// A q grid for data of rows x cols pixels padded by (top, left) and read
+// by a stride-1 conv with taps spanning (eh, ew) to give out_h x out_w
+// outputs: tall and wide enough for the data and for every tap of every
+// output.
+Grid PaddedGrid(int64_t batch, int64_t top, int64_t left, int64_t rows,
+                int64_t cols, int64_t out_h, int64_t out_w, int64_t eh,
+                int64_t ew) {
+  Grid g;
+  g.batch = batch;
+  g.top = top;
+  g.left = left;
+  g.rows = rows;
+  g.cols = cols;
+  g.out_h = out_h;
+  g.out_w = out_w;
+  g.hp = std::max(top + rows, out_h + eh);
+  g.wp = std::max(left + cols, out_w + ew);
+  return g;
+}
+
 // The grid of a stride-1 forward conv's padded input.
 Grid InputGrid(const ConvShape& s) {
-  const int64_t eh = (s.k_h - 1) * s.dil_h, ew = (s.k_w - 1) * s.dil_w;
-  Grid g;
-  g.batch = s.batch;
-  g.top = s.pad_top;
-  g.left = s.pad_left;
-  g.rows = s.in_h;
-  g.cols = s.in_w;
-  g.out_h = s.out_h;
-  g.out_w = s.out_w;
-  g.hp = std::max(s.pad_top + s.in_h, s.out_h + eh);
-  g.wp = std::max(s.pad_left + s.in_w, s.out_w + ew);
-  return g;
+  return PaddedGrid(s.batch, s.pad_top, s.pad_left, s.in_h, s.in_w, s.out_h,
+                    s.out_w, (s.k_h - 1) * s.dil_h, (s.k_w - 1) * s.dil_w);
 }
 
 bool NonEmpty(const ConvShape& s) {
@@ -929,16 +939,8 @@ bool BackpropInputImpl(const ConvShape& s, const float* x,
   const int64_t C = s.in_c, O = s.out_c, taps = s.k_h * s.k_w;
   const int64_t eh = (s.k_h - 1) * s.dil_h, ew = (s.k_w - 1) * s.dil_w;
   // dx = conv2d(dy padded by (eh - pad_top, ew - pad_left), flipped W^T).
-  Grid grid;
-  grid.batch = s.batch;
-  grid.top = eh - s.pad_top;
-  grid.left = ew - s.pad_left;
-  grid.rows = s.out_h;
-  grid.cols = s.out_w;
-  grid.out_h = s.in_h;
-  grid.out_w = s.in_w;
-  grid.hp = std::max(grid.top + s.out_h, s.in_h + eh);
-  grid.wp = std::max(grid.left + s.out_w, s.in_w + ew);
+  const Grid grid = PaddedGrid(s.batch, eh - s.pad_top, ew - s.pad_left,
+                               s.out_h, s.out_w, s.in_h, s.in_w, eh, ew);
   const Taps tp = TapOffsets(s, grid.wp);
   const int64_t kp = RoundUp(O, 32);
   const int64_t q_pairs = (grid.q_end() + 31) / 32;

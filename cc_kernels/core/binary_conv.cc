@@ -962,20 +962,16 @@ void BitpackedForward(const ConvShape& s, const T* x, const T* w,
   });
 }
 
-// alpha as floats for the AMX kernels (null: no scale).
+}  // namespace
+
 template <typename T>
-std::vector<float> AlphaF(const ConvShape& s, const T* w, Scale scale) {
+std::vector<float> FilterAlphaFloats(const ConvShape& s, const T* w,
+                                     Scale scale) {
   std::vector<float> out;
   if (scale == Scale::kNone) return out;
   for (double a : Alpha(s, w, scale)) out.push_back(static_cast<float>(a));
   return out;
 }
-
-inline const float* OrNull(const std::vector<float>& v) {
-  return v.empty() ? nullptr : v.data();
-}
-
-}  // namespace
 
 template <typename T>
 void BinaryConv2DForward(const ConvShape& s, const T* x, const T* w,
@@ -988,8 +984,8 @@ void BinaryConv2DForward(const ConvShape& s, const T* x, const T* w,
   if (binary_input) return BitpackedForward(s, x, w, scale, y, parallel_for);
   if constexpr (std::is_same<T, float>::value) {
     if (amx::Usable() && amx::SupportsForward(s)) {
-      const std::vector<float> alpha = AlphaF(s, w, scale);
-      if (amx::Forward(s, x, w, OrNull(alpha), y, parallel_for)) return;
+      const std::vector<float> alpha = FilterAlphaFloats(s, w, scale);
+      if (amx::Forward(s, x, w, AlphaOrNull(alpha), y, parallel_for)) return;
     }
   }
   const PackedB<T> w_hat =
@@ -1021,8 +1017,8 @@ void BinaryConv2DBackpropInput(const ConvShape& s, const T* x, const T* w,
   if (in_rows * row_len == 0) return;
   if constexpr (std::is_same<T, float>::value) {
     if (OutPixels(s) > 0 && amx::Usable() && amx::SupportsBackpropInput(s)) {
-      const std::vector<float> alpha = AlphaF(s, w, scale);
-      if (amx::BackpropInput(s, x, w, dy, act_est, clip, OrNull(alpha), dx,
+      const std::vector<float> alpha = FilterAlphaFloats(s, w, scale);
+      if (amx::BackpropInput(s, x, w, dy, act_est, clip, AlphaOrNull(alpha), dx,
                              parallel_for)) {
         return;
       }
@@ -1108,9 +1104,9 @@ void BinaryConv2DBackpropFilter(const ConvShape& s, const T* x, const T* w,
   const int64_t pixels = OutPixels(s);
   if constexpr (std::is_same<T, float>::value) {
     if (pixels > 0 && amx::Usable() && amx::SupportsBackpropFilter(s)) {
-      const std::vector<float> alpha = AlphaF(s, w, scale);
+      const std::vector<float> alpha = FilterAlphaFloats(s, w, scale);
       if (amx::BackpropFilter(s, x, w, dy, act_est, w_est, clip,
-                              OrNull(alpha), dw, parallel_for)) {
+                              AlphaOrNull(alpha), dw, parallel_for)) {
         return;
       }
     }
@@ -1167,14 +1163,9 @@ void BinaryConv2DBackpropFilter(const ConvShape& s, const T* x, const T* w,
   });
 }
 
-template <typename T>
-std::vector<double> FilterAlpha(const ConvShape& s, const T* w, Scale scale) {
-  return Alpha(s, w, scale);
-}
-
 #define TAPEHOOK_INSTANTIATE(T)                                              \
-  template std::vector<double> FilterAlpha<T>(const ConvShape&, const T*,    \
-                                              Scale);                        \
+  template std::vector<float> FilterAlphaFloats<T>(const ConvShape&,       \
+                                                   const T*, Scale);         \
   template void BinaryConv2DForward<T>(const ConvShape&, const T*, const T*, \
                                        bool, Scale, T*, const ParallelFor&); \
   template void BinaryConv2DBackpropInput<T>(                                \

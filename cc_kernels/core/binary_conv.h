@@ -59,9 +59,16 @@ using ParallelFor = std::function<void(
     int64_t total, int64_t cost_per_unit,
     const std::function<void(int64_t, int64_t)>& fn)>;
 
-// alpha[out_c]: 1, or mean |W[:, :, :, o]| for Scale::kMeanAbs.
+// alpha[out_c] = mean |W[:, :, :, o]| as floats for Scale::kMeanAbs (what
+// the AMX kernels take), empty for Scale::kNone.
 template <typename T>
-std::vector<double> FilterAlpha(const ConvShape& s, const T* w, Scale scale);
+std::vector<float> FilterAlphaFloats(const ConvShape& s, const T* w,
+                                     Scale scale);
+
+// FilterAlphaFloats' result as the kernels' alpha pointer (null: no scale).
+inline const float* AlphaOrNull(const std::vector<float>& alpha) {
+  return alpha.empty() ? nullptr : alpha.data();
+}
 
 // y[batch, out_h, out_w, out_c] = conv2d(x_hat, W_hat).
 template <typename T>

@@ -198,11 +198,6 @@ std::vector<T> StandIn(const ConvShape& s, const uint8_t* packed, double clip,
   return x_hat;
 }
 
-std::vector<float> AlphaFloats(const std::vector<double>& alpha, Scale scale) {
-  if (scale == Scale::kNone) return {};
-  return std::vector<float>(alpha.begin(), alpha.end());
-}
-
 }  // namespace
 
 template <typename T>
@@ -212,8 +207,8 @@ void BinaryConv2DBackpropInputPacked(const ConvShape& s, const uint8_t* packed,
                                      const ParallelFor& parallel_for) {
   if constexpr (std::is_same<T, float>::value) {
     if (amx::Usable() && amx::SupportsBackpropInput(s)) {
-      const std::vector<float> a = AlphaFloats(FilterAlpha(s, w, scale), scale);
-      if (amx::BackpropInputPacked(s, packed, w, dy, a.empty() ? nullptr : a.data(),
+      const std::vector<float> a = FilterAlphaFloats(s, w, scale);
+      if (amx::BackpropInputPacked(s, packed, w, dy, AlphaOrNull(a),
                                    dx, parallel_for)) {
         return;
       }
@@ -231,9 +226,9 @@ void BinaryConv2DBackpropFilterPacked(const ConvShape& s, const uint8_t* packed,
                                       const ParallelFor& parallel_for) {
   if constexpr (std::is_same<T, float>::value) {
     if (amx::Usable() && amx::SupportsBackpropFilter(s)) {
-      const std::vector<float> a = AlphaFloats(FilterAlpha(s, w, scale), scale);
+      const std::vector<float> a = FilterAlphaFloats(s, w, scale);
       if (amx::BackpropFilterPacked(s, packed, w, dy, w_est, clip,
-                                    a.empty() ? nullptr : a.data(), dw,
+                                    AlphaOrNull(a), dw,
                                     parallel_for)) {
         return;
       }
