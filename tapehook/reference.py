@@ -83,13 +83,12 @@ def binary_conv2d_backward(x, w, dy, spec, strides, padding, explicit_paddings,
     dW = conv2d_backprop_filter(x_hat, dY) * alpha * e'(W). Undilated convs call
     the stock backprop ops directly; TF's CPU backprops reject dilations, so a
     dilated conv differentiates tf.nn.convolution (SpaceToBatchND) instead.
-    ``w_parts``: (alpha sign W, alpha) when the forward already computed them.
+    ``w_parts``: (alpha sign W or None, alpha) from the forward.
     """
     dilated = any(d != 1 for d in dilations)
-    if w_parts is None:
-        a = alpha(w, spec.scale)
-        w_parts = (scaled_sign(w, a) if need_dx or dilated else None, a)
-    w_hat, a = w_parts
+    w_hat, a = w_parts if w_parts is not None else (None, alpha(w, spec.scale))
+    if w_hat is None and (need_dx or dilated):
+        w_hat = scaled_sign(w, a)
     x_hat = binarize_input(x, spec) if need_dw or dilated else None
     if dilated:
         with tf.GradientTape() as tape:
@@ -129,13 +128,15 @@ def binary_conv2d(x, w, spec, strides=(1, 1, 1, 1), padding="SAME",
 
     @tf.custom_gradient
     def conv(x, w):
-        # alpha and alpha sign W once, for the forward and the backward
+        # alpha once, for the forward and the backward; alpha sign W too when
+        # the forward uses it (float input), else the backward makes it
         a = alpha(w, spec.scale)
-        w_parts = (scaled_sign(w, a), a)
         if spec.activation_estimator:
+            w_parts = (None, a)
             y = _forward(sign(x), sign(w), a, spec, strides, padding,
                          explicit_paddings, dilations)
         else:
+            w_parts = (scaled_sign(w, a), a)
             y = float_conv2d(x, w_parts[0], strides, padding, explicit_paddings,
                              dilations)
 
