@@ -177,26 +177,46 @@ void SplitRowPortable(const float* v, const float* scale, int64_t n, int64_t kp,
 }
 
 #if TAPEHOOK_HAVE_AMX_PATH
+// The three parts of 16 floats as the high halves of 32-bit lanes (hi and
+// mid by masking, lo exact since r - mid fits in 8 bits).
+TAPEHOOK_AMX inline void Split16(__m512 t, __m512i* hi, __m512i* mid,
+                                 __m512i* lo) {
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  *hi = _mm512_and_si512(_mm512_castps_si512(t), top);
+  const __m512 r = _mm512_sub_ps(t, _mm512_castsi512_ps(*hi));
+  *mid = _mm512_and_si512(_mm512_castps_si512(r), top);
+  *lo = _mm512_castps_si512(_mm512_sub_ps(r, _mm512_castsi512_ps(*mid)));
+}
+
+// 32 values at a time: one vpermt2w gathers the high halves of two vectors'
+// lanes into 32 bf16 (cheaper than two narrowing moves). kp % 32 == 0.
 TAPEHOOK_AMX void SplitRow512(const float* v, const float* scale, int64_t n,
                               int64_t kp, uint16_t* out) {
-  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t i = 0; i < kp; i += 16) {
-    const __mmask16 m = i + 16 <= n
-                            ? __mmask16(0xFFFF)
-                            : __mmask16(i >= n ? 0 : (1u << (n - i)) - 1);
-    __m512 t = _mm512_maskz_loadu_ps(m, v + i);
-    if (scale) t = _mm512_mul_ps(t, _mm512_maskz_loadu_ps(m, scale + i));
-    const __m512i hb = _mm512_and_si512(_mm512_castps_si512(t), top);
-    const __m512 r = _mm512_sub_ps(t, _mm512_castsi512_ps(hb));
-    const __m512i mb = _mm512_and_si512(_mm512_castps_si512(r), top);
-    const __m512i lb =
-        _mm512_castps_si512(_mm512_sub_ps(r, _mm512_castsi512_ps(mb)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(hb, 16)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + kp + i),
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(mb, 16)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * kp + i),
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(lb, 16)));
+  __m512i high_halves;
+  {
+    alignas(64) uint16_t idx[32];
+    for (int i = 0; i < 32; ++i) idx[i] = static_cast<uint16_t>(2 * i + 1);
+    high_halves = _mm512_load_si512(idx);
+  }
+  for (int64_t i = 0; i < kp; i += 32) {
+    __m512 t[2];
+    for (int h = 0; h < 2; ++h) {
+      const int64_t b = i + 16 * h;
+      const __mmask16 m = b + 16 <= n
+                              ? __mmask16(0xFFFF)
+                              : __mmask16(b >= n ? 0 : (1u << (n - b)) - 1);
+      t[h] = _mm512_maskz_loadu_ps(m, v + b);
+      if (scale)
+        t[h] = _mm512_mul_ps(t[h], _mm512_maskz_loadu_ps(m, scale + b));
+    }
+    __m512i p0[3], p1[3];
+    Split16(t[0], &p0[0], &p0[1], &p0[2]);
+    Split16(t[1], &p1[0], &p1[1], &p1[2]);
+    for (int part = 0; part < 3; ++part) {
+      _mm512_storeu_si512(
+          out + part * kp + i,
+          _mm512_permutex2var_epi16(p0[part], high_halves, p1[part]));
+    }
   }
 }
 #endif
@@ -204,7 +224,7 @@ TAPEHOOK_AMX void SplitRow512(const float* v, const float* scale, int64_t n,
 void SplitRow(const float* v, const float* scale, int64_t n, int64_t kp,
               uint16_t* out) {
 #if TAPEHOOK_HAVE_AMX_PATH
-  if (kp % 16 == 0) return SplitRow512(v, scale, n, kp, out);
+  if (kp % 32 == 0) return SplitRow512(v, scale, n, kp, out);
 #endif
   SplitRowPortable(v, scale, n, kp, out);
 }
@@ -732,13 +752,57 @@ std::vector<float> PaddedScale(const float* alpha, int64_t n) {
 }
 
 // Writes the output-pixel rows of a finished 32 x 32 block (c as in
-// BlockStore) to out[pixel * ld + j] = c * scale[j], j < n.
+// BlockStore) to out[pixel * ld + j] = c * scale[j], j < n, or 0 where
+// clip_x is given and !(|clip_x[pixel * ld + j]| <= clip) (the ste_sign
+// mask). The pixel of grid row q advances with q instead of being divided
+// out per row.
+#if TAPEHOOK_HAVE_AMX_PATH
+TAPEHOOK_AMX void StoreRows(const Grid& grid, int64_t q0, const float (*c)[256],
+                            const float* scale, int64_t n, float* out,
+                            int64_t ld, const float* clip_x = nullptr,
+                            float clip = 0) {
+  const __mmask16 kl = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+  const __mmask16 kr = n >= 32   ? __mmask16(0xFFFF)
+                       : n <= 16 ? __mmask16(0)
+                                 : __mmask16((1u << (n - 16)) - 1);
+  const __m512 sl = _mm512_maskz_loadu_ps(kl, scale);
+  const __m512 sr = _mm512_maskz_loadu_ps(kr, scale + 16);
+  const int64_t plane = grid.plane();
+  const __m512 lim = _mm512_set1_ps(clip);
+  int64_t img = q0 / plane, row = q0 % plane / grid.wp, col = q0 % grid.wp;
+  for (int64_t i = 0; i < 32; ++i) {
+    if (img < grid.batch && row < grid.out_h && col < grid.out_w) {
+      const int64_t at = ((img * grid.out_h + row) * grid.out_w + col) * ld;
+      __mmask16 ml = kl, mr = kr;
+      if (clip_x != nullptr) {  // keep lanes with |x| <= clip (NaN: dropped)
+        const __m512 xl = _mm512_maskz_loadu_ps(kl, clip_x + at);
+        const __m512 xr = _mm512_maskz_loadu_ps(kr, clip_x + at + 16);
+        ml = _mm512_mask_cmp_ps_mask(kl, _mm512_abs_ps(xl), lim, _CMP_LE_OQ);
+        mr = _mm512_mask_cmp_ps_mask(kr, _mm512_abs_ps(xr), lim, _CMP_LE_OQ);
+      }
+      float* dst = out + at;
+      const float* left = c[(i / 16) * 2] + (i % 16) * 16;
+      const float* right = c[(i / 16) * 2 + 1] + (i % 16) * 16;
+      _mm512_mask_storeu_ps(dst, kl,
+                            _mm512_maskz_mul_ps(ml, _mm512_load_ps(left), sl));
+      _mm512_mask_storeu_ps(dst + 16, kr,
+                            _mm512_maskz_mul_ps(mr, _mm512_load_ps(right), sr));
+    }
+    if (++col == grid.wp) {
+      col = 0;
+      if (++row == grid.hp) row = 0, ++img;
+    }
+  }
+}
+#else
 void StoreRows(const Grid& grid, int64_t q0, const float (*c)[256],
-               const float* scale, int64_t n, float* out, int64_t ld) {
+               const float* scale, int64_t n, float* out, int64_t ld,
+               const float* clip_x = nullptr, float clip = 0) {
   for (int64_t r = 0; r < 32; ++r) {
     const int64_t p = grid.OutPixel(q0 + r);
     if (p < 0) continue;
     float* dst = out + p * ld;
+    const float* xr = clip_x ? clip_x + p * ld : nullptr;
     const float* left = c[(r / 16) * 2] + (r % 16) * 16;
     const float* right = c[(r / 16) * 2 + 1] + (r % 16) * 16;
     if (n == 32) {
@@ -750,8 +814,13 @@ void StoreRows(const Grid& grid, int64_t q0, const float (*c)[256],
       }
       for (int64_t j = 16; j < n; ++j) dst[j] = right[j - 16] * scale[j];
     }
+    for (int64_t j = 0; xr != nullptr && j < n; ++j) {
+      if (!(std::abs(xr[j]) <= clip)) dst[j] = 0.0f;
+    }
   }
 }
+
+#endif
 
 // ---------------------------------------------------------------------------
 // Backprop filter: dW_t[c, o] = sum_q X[c, q + off[t]] * D[q, o], X being
@@ -983,22 +1052,20 @@ bool BackpropInputImpl(const ConvShape& s, const float* x,
           }
           return;
         }
+        if (act_est == Estimator::kNone || act_est == Estimator::kSteSign) {
+          StoreRows(grid, q0, acc, ones.data(), c_n, dx + c0, C,
+                    act_est == Estimator::kSteSign ? x + c0 : nullptr,
+                    static_cast<float>(clip));
+          return;
+        }
         StoreRows(grid, q0, acc, ones.data(), c_n, dx + c0, C);
-        if (act_est == Estimator::kNone) return;
         for (int64_t r = 0; r < 32; ++r) {
           const int64_t p = grid.OutPixel(q0 + r);
           if (p < 0) continue;
           float* out = dx + p * C + c0;
           const float* xr = x + p * C + c0;
-          if (act_est == Estimator::kSteSign) {
-            const float cl = static_cast<float>(clip);
-            for (int64_t j = 0; j < c_n; ++j) {
-              out[j] = std::abs(xr[j]) <= cl ? out[j] : 0.0f;
-            }
-          } else {
-            for (int64_t j = 0; j < c_n; ++j) {
-              out[j] *= ActGrad(act_est, xr[j], clip);
-            }
+          for (int64_t j = 0; j < c_n; ++j) {
+            out[j] *= ActGrad(act_est, xr[j], clip);
           }
         }
       },
