@@ -504,6 +504,28 @@ struct Grid {
     if (n >= batch || r < 0 || r >= rows || c < 0 || c >= cols) return -1;
     return (n * rows + r) * cols + c;
   }
+  // f(i, DataPixel(q0 + i)) (data) or f(i, OutPixel(q0 + i)) for i < n,
+  // without a division per row.
+  template <typename F>
+  void Walk(int64_t q0, int64_t n, bool data, F f) const {
+    int64_t img = q0 / plane(), row = q0 % plane() / wp, col = q0 % wp;
+    for (int64_t i = 0; i < n; ++i) {
+      if (data) {
+        const int64_t r = row - top, c = col - left;
+        f(i, img < batch && r >= 0 && r < rows && c >= 0 && c < cols
+                 ? (img * rows + r) * cols + c
+                 : -1);
+      } else {
+        f(i, img < batch && row < out_h && col < out_w
+                 ? (img * out_h + row) * out_w + col
+                 : -1);
+      }
+      if (++col == wp) {
+        col = 0;
+        if (++row == hp) row = 0, ++img;
+      }
+    }
+  }
   // Output pixel index of q, or -1 when q is not an output pixel.
   int64_t OutPixel(int64_t q) const {
     const int64_t n = q / plane(), rem = q % plane();
@@ -721,15 +743,14 @@ void FillSplitRange(const Grid& grid, const float* data, const float* scale,
                     int64_t channels, int64_t kp, int64_t r0, int64_t r1,
                     uint16_t* dst) {
   const int64_t ka = 3 * kp;
-  for (int64_t q = r0; q < r1; ++q) {
-    uint16_t* row = dst + (q - r0) * ka;
-    const int64_t p = grid.DataPixel(q);
+  grid.Walk(r0, r1 - r0, /*data=*/true, [&](int64_t i, int64_t p) {
+    uint16_t* row = dst + i * ka;
     if (p < 0) {
       std::fill(row, row + ka, uint16_t{0});
-      continue;
+    } else {
+      SplitRow(data + p * channels, scale, channels, kp, row);
     }
-    SplitRow(data + p * channels, scale, channels, kp, row);
-  }
+  });
 }
 
 // ShiftedGemm::fill over a grid of `data` pixels.
@@ -1042,14 +1063,13 @@ bool BackpropInputImpl(const ConvShape& s, const float* x,
       [&](int64_t q0, int64_t c0, const float (*acc)[256]) {
         const int64_t c_n = std::min<int64_t>(32, C - c0);
         if (packed != nullptr) {  // store and mask in one pass
-          for (int64_t r = 0; r < 32; ++r) {
-            const int64_t p = grid.OutPixel(q0 + r);
-            if (p < 0) continue;
+          grid.Walk(q0, 32, /*data=*/false, [&](int64_t r, int64_t p) {
+            if (p < 0) return;
             StoreMaskedRow(acc[(r / 16) * 2] + (r % 16) * 16,
                            acc[(r / 16) * 2 + 1] + (r % 16) * 16, c_n,
                            packed + p * PackedBytes(C) + c0 / 4,
                            dx + p * C + c0);
-          }
+          });
           return;
         }
         if (act_est == Estimator::kNone || act_est == Estimator::kSteSign) {
@@ -1109,9 +1129,8 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
           const int64_t nq = std::min(kQBlock, qa - q0);
           const int64_t nc =
               std::max<int64_t>(0, std::min<int64_t>(32, C - c0));
-          for (int64_t i = 0; i < nq; ++i) {
+          grid.Walk(q0, nq, /*data=*/true, [&](int64_t i, int64_t p) {
             uint16_t* row = &tmp[i * 96];
-            const int64_t p = grid.DataPixel(q0 + i);
             if (p < 0 || nc == 0) {
               std::fill(row, row + 96, uint16_t{0});
             } else if (binary) {
@@ -1123,7 +1142,7 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
             } else {
               SplitRow(x + p * C + c0, nullptr, nc, 32, row);
             }
-          }
+          });
           for (int i = 0; i < x_n; ++i) {  // nq is a multiple of 32
             for (int64_t c8 = 0; c8 < 32; c8 += 8) {
               for (int64_t q8 = 0; q8 < nq; q8 += 8) {

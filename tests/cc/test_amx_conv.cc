@@ -21,6 +21,7 @@
 #include <cstring>
 #include <functional>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "cc_kernels/core/amx_conv.h"
@@ -252,6 +253,61 @@ void TestBackpropFilterBlocking(std::mt19937_64& rng, int64_t hw, int64_t c) {
   }
 }
 
+// Shards [0, total) into three uneven ranges, each run on its own thread:
+// unit ranges then start and end mid-window.
+const tapehook::ParallelFor kThreeThreads =
+    [](int64_t total, int64_t,
+       const std::function<void(int64_t, int64_t)>& fn) {
+      const int64_t a = total / 5, b = total * 3 / 5;
+      std::thread t1(fn, a, b), t2(fn, b, total);
+      fn(0, a);
+      t1.join();
+      t2.join();
+    };
+
+// Inputs long enough for many A windows per thread, with thread ranges that
+// start and end mid-window: the forward and backprop-input must agree with
+// the non-AMX kernels (same exact products, other summation order).
+void TestManyWindows(std::mt19937_64& rng, int64_t k, int64_t c) {
+  ConvShape s;
+  s.batch = 3, s.in_h = 23, s.in_w = 29, s.in_c = c;
+  s.k_h = k, s.k_w = k, s.out_c = 70;
+  tapehook::ComputeConvGeometry(tapehook::Padding::kSame, 0, 0, 0, 0, &s);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(s.batch * s.in_h * s.in_w * c), w(k * k * c * 70);
+  std::vector<float> dy(s.batch * s.out_h * s.out_w * 70);
+  for (float& t : x) t = normal(rng);
+  for (float& t : w) t = normal(rng);
+  for (float& t : dy) t = normal(rng);
+  auto close = [](const std::vector<float>& got,
+                  const std::vector<float>& want) {
+    double scale = 0, err = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      scale = std::max(scale, std::abs(double(want[i])));
+      err = std::max(err, std::abs(double(got[i]) - want[i]));
+    }
+    return err <= 1e-5 * scale;
+  };
+  const auto mean_abs = tapehook::Scale::kMeanAbs;
+  std::vector<float> got(dy.size()), want(dy.size());
+  tapehook::BinaryConv2DForward(s, x.data(), w.data(), false, mean_abs,
+                                got.data(), kThreeThreads);
+  std::vector<float> got_dx(x.size()), want_dx(x.size());
+  tapehook::BinaryConv2DBackpropInput(s, x.data(), w.data(), dy.data(),
+                                      Estimator::kSteSign, 1.0, mean_abs,
+                                      got_dx.data(), kThreeThreads);
+  setenv("TAPEHOOK_NO_AMX", "1", /*overwrite=*/1);
+  tapehook::BinaryConv2DForward(s, x.data(), w.data(), false, mean_abs,
+                                want.data(), kSerial);
+  tapehook::BinaryConv2DBackpropInput(s, x.data(), w.data(), dy.data(),
+                                      Estimator::kSteSign, 1.0, mean_abs,
+                                      want_dx.data(), kSerial);
+  unsetenv("TAPEHOOK_NO_AMX");
+  Check(close(got, want), "forward over many windows, three threads");
+  Check(close(got_dx, want_dx),
+        "backprop-input over many windows, three threads");
+}
+
 }  // namespace
 
 int main() {
@@ -270,6 +326,8 @@ int main() {
   }
   TestBackpropFilterBlocking(rng, 64, 32);
   TestBackpropFilterBlocking(rng, 36, 128);
+  TestManyWindows(rng, 1, 256);
+  TestManyWindows(rng, 3, 96);
   for (int round = 0; round < 20; ++round) {
     TestForwardSingleProduct(rng);
     TestBackpropInputSingleProduct(rng);
