@@ -711,21 +711,25 @@ void BitpackedBlocks512(const ConvShape& s, BitInput input, const T* x,
       return std::pair<const uint64_t*, int64_t>(xb + n * s.in_h * s.in_w * cw,
                                                  0);
     };
-    const int64_t blocks =
-        (pixels + kBitPixelBlock512 - 1) / kBitPixelBlock512;
-    parallel_for(blocks, kBitPixelBlock512 * pixel_cost,
+    // Small convs (a batch-1 layer) get smaller blocks, so that the threads
+    // share the work evenly: at least 16 blocks, whole register tiles.
+    const int64_t block = std::min(
+        kBitPixelBlock512,
+        std::max<int64_t>(simd::kConvMR,
+                          pixels / 16 / simd::kConvMR * simd::kConvMR));
+    const int64_t blocks = (pixels + block - 1) / block;
+    parallel_for(blocks, block * pixel_cost,
                  [&](int64_t b0, int64_t b1) {
                    Scratch sc = new_scratch();
                    for (int64_t b = b0; b < b1; ++b) {
-                     const int64_t pix0 = b * kBitPixelBlock512;
-                     const int64_t np =
-                         std::min(kBitPixelBlock512, pixels - pix0);
+                     const int64_t pix0 = b * block;
+                     const int64_t np = std::min(block, pixels - pix0);
                      // Stride-1 kPixels: the next block's floats follow.
                      const bool ahead = input == BitInput::kPixels &&
                                         s.out_h == s.in_h &&
                                         s.out_w == s.in_w && b + 1 < b1;
-                     const int64_t next_np = std::min(
-                         kBitPixelBlock512, pixels - pix0 - np);
+                     const int64_t next_np =
+                         std::min(block, pixels - pix0 - np);
                      run_block(sc, pix0, np, whole_input,
                                x + (pix0 + np) * C,
                                ahead ? lines_of(next_np * C) : 0);
@@ -794,54 +798,29 @@ void BitpackedBlocks512(const ConvShape& s, BitInput input, const T* x,
 }
 #endif  // TAPEHOOK_HAVE_AVX512_PATH
 
+// Signs of W as [row_words][n_pad] words (columns >= N are zeros), each
+// tap's popcount (what a zero padding tap adds to a count) and alpha.
 template <typename T>
-void BitpackedForward(const ConvShape& s, const T* x, const T* w,
-                      Scale scale, T* y,
-                      const ParallelFor& parallel_for) {
+BitFilter<T> PackBitFilterImpl(const ConvShape& s, const T* w, Scale scale,
+                               BitIsa isa, const ParallelFor& parallel_for) {
   const int64_t C = s.in_c, N = s.out_c;
   const int64_t cw = WordsPerPixel(s);
   const int64_t taps = s.k_h * s.k_w;
-  const int64_t row_words = taps * cw;
-  const int64_t n_pad = RoundUp(N, kPopColTile);
-  const int64_t pixels = OutPixels(s);
-  const BitIsa isa = PickBitIsa();  // once per call: it reads the env
-  // The AVX-512 packing loops cost a few times less per element; saying so
-  // lets parallel_for run small passes inline instead of waking threads.
+  BitFilter<T> f;
+  f.k_h = s.k_h, f.k_w = s.k_w, f.in_c = C, f.out_c = N;
+  f.scale = scale;
+  f.isa = static_cast<int>(isa);
+  f.n_pad = RoundUp(N, kPopColTile);
+  const int64_t n_pad = f.n_pad;
+  // The AVX-512 loop costs a few times less per element; saying so lets
+  // parallel_for run small passes inline instead of waking threads.
   const int64_t pack_cost_div =
       isa == BitIsa::kAvx512 && std::is_same_v<T, float> ? 4 : 1;
-  const int64_t pixel_cost = C / pack_cost_div + 1;
   const int64_t tap_cost = C * N / pack_cost_div + 1;
-
-#if TAPEHOOK_HAVE_AVX512_PATH
-  // Unless x is small, the AVX-512 tier packs it inside its units.
-  const BitInput input = isa == BitIsa::kAvx512 && std::is_same_v<T, float>
-                             ? PickBitInput(s)
-                             : BitInput::kPacked;
-  const bool packed = input == BitInput::kPacked;
-#else
-  const bool packed = true;
-#endif
-
-  // Signs of x, one run of cw words per input pixel.
-  const int64_t in_pixels = packed ? s.batch * s.in_h * s.in_w : 0;
-  std::unique_ptr<uint64_t[]> xb(new uint64_t[in_pixels * cw]);
-  parallel_for(in_pixels, pixel_cost, [&](int64_t p0, int64_t p1) {
-#if TAPEHOOK_HAVE_AVX512_PATH
-    if constexpr (std::is_same_v<T, float>) {
-      if (isa == BitIsa::kAvx512) {
-        return simd::PackSigns512(x + p0 * C, p1 - p0, C, &xb[p0 * cw]);
-      }
-    }
-#endif
-    for (int64_t p = p0; p < p1; ++p) {
-      PackSigns(isa, x + p * C, C, &xb[p * cw]);
-    }
-  });
-
-  // Signs of W as [row_words][n_pad] (columns >= N are zeros), and each
-  // tap's popcount: what a zero (padding) tap adds to the count.
-  std::vector<uint64_t> wb(row_words * n_pad, 0);
-  std::vector<int32_t> tap_count(taps * N, 0);
+  f.words.assign(taps * cw * n_pad, 0);
+  f.tap_count.assign(taps * N, 0);
+  std::vector<uint64_t>& wb = f.words;
+  std::vector<int32_t>& tap_count = f.tap_count;
   // One tap per unit, which also sums |W| per output channel for alpha
   // (per tap, then over taps in order: independent of the sharding).
   const bool mean_abs = scale == Scale::kMeanAbs;
@@ -872,17 +851,66 @@ void BitpackedForward(const ConvShape& s, const T* x, const T* w,
       }
     }
   });
-  std::vector<T> alpha_t(N, T(1));
+  f.alpha.assign(N, T(1));
   for (int64_t o = 0; o < N && mean_abs; ++o) {
     double sum = 0;
     for (int64_t t = 0; t < taps; ++t) sum += abs_sum[t * N + o];
-    alpha_t[o] = static_cast<T>(sum / static_cast<double>(taps * C));
+    f.alpha[o] = static_cast<T>(sum / static_cast<double>(taps * C));
   }
+  return f;
+}
+
+// The bitpacked forward given its packed filter (packed on f.isa's tier).
+template <typename T>
+void BitpackedForwardWith(const ConvShape& s, const T* x,
+                          const BitFilter<T>& f, T* y,
+                          const ParallelFor& parallel_for) {
+  const int64_t C = s.in_c, N = s.out_c;
+  const int64_t cw = WordsPerPixel(s);
+  const int64_t taps = s.k_h * s.k_w;
+  const int64_t row_words = taps * cw;
+  const int64_t n_pad = f.n_pad;
+  const int64_t pixels = OutPixels(s);
+  const BitIsa isa = static_cast<BitIsa>(f.isa);
+  const uint64_t* const wb = f.words.data();
+  const int32_t* const tap_count = f.tap_count.data();
+  const T* const alpha_t = f.alpha.data();
+  // The AVX-512 packing loops cost a few times less per element; saying so
+  // lets parallel_for run small passes inline instead of waking threads.
+  const int64_t pack_cost_div =
+      isa == BitIsa::kAvx512 && std::is_same_v<T, float> ? 4 : 1;
+  const int64_t pixel_cost = C / pack_cost_div + 1;
+
+#if TAPEHOOK_HAVE_AVX512_PATH
+  // Unless x is small, the AVX-512 tier packs it inside its units.
+  const BitInput input = isa == BitIsa::kAvx512 && std::is_same_v<T, float>
+                             ? PickBitInput(s)
+                             : BitInput::kPacked;
+  const bool packed = input == BitInput::kPacked;
+#else
+  const bool packed = true;
+#endif
+
+  // Signs of x, one run of cw words per input pixel.
+  const int64_t in_pixels = packed ? s.batch * s.in_h * s.in_w : 0;
+  std::unique_ptr<uint64_t[]> xb(new uint64_t[in_pixels * cw]);
+  parallel_for(in_pixels, pixel_cost, [&](int64_t p0, int64_t p1) {
+#if TAPEHOOK_HAVE_AVX512_PATH
+    if constexpr (std::is_same_v<T, float>) {
+      if (isa == BitIsa::kAvx512) {
+        return simd::PackSigns512(x + p0 * C, p1 - p0, C, &xb[p0 * cw]);
+      }
+    }
+#endif
+    for (int64_t p = p0; p < p1; ++p) {
+      PackSigns(isa, x + p * C, C, &xb[p * cw]);
+    }
+  });
+
 #if TAPEHOOK_HAVE_AVX512_PATH
   if (isa == BitIsa::kAvx512) {
-    return BitpackedBlocks512(s, input, x, xb.get(), wb.data(), n_pad,
-                              tap_count.data(), alpha_t.data(), y,
-                              parallel_for);
+    return BitpackedBlocks512(s, input, x, xb.get(), wb, n_pad, tap_count,
+                              alpha_t, y, parallel_for);
   }
 #endif
 
@@ -936,7 +964,7 @@ void BitpackedForward(const ConvShape& s, const T* x, const T* w,
       }
       // Rows past np stay as they are: computed, never stored.
       XorPopcount(isa == BitIsa::kAvx2, RoundUp(np, kPopRowTile), n_pad,
-                  row_words, col.data(), wb.data(), counts.data(), n_pad);
+                  row_words, col.data(), wb, counts.data(), n_pad);
       // dot = sum over valid taps of (C - 2 * mismatches). A padding tap has
       // zero x bits, so it counted popcount(W tap): take that back out.
       for (int64_t p = 0; p < np; ++p) {
@@ -965,6 +993,27 @@ void BitpackedForward(const ConvShape& s, const T* x, const T* w,
 }  // namespace
 
 template <typename T>
+BitFilter<T> PackBitFilter(const ConvShape& s, const T* w, Scale scale,
+                           const ParallelFor& parallel_for) {
+  return PackBitFilterImpl(s, w, scale, PickBitIsa(), parallel_for);
+}
+
+template <typename T>
+bool BitFilterFits(const BitFilter<T>& f, const ConvShape& s, Scale scale) {
+  return f.k_h == s.k_h && f.k_w == s.k_w && f.in_c == s.in_c &&
+         f.out_c == s.out_c && f.scale == scale &&
+         f.isa == static_cast<int>(PickBitIsa());
+}
+
+template <typename T>
+void BinaryConv2DForwardBinary(const ConvShape& s, const T* x,
+                               const BitFilter<T>& f, T* y,
+                               const ParallelFor& parallel_for) {
+  if (OutPixels(s) == 0) return;
+  BitpackedForwardWith(s, x, f, y, parallel_for);
+}
+
+template <typename T>
 std::vector<float> FilterAlphaFloats(const ConvShape& s, const T* w,
                                      Scale scale) {
   std::vector<float> out;
@@ -981,7 +1030,11 @@ void BinaryConv2DForward(const ConvShape& s, const T* x, const T* w,
   const int64_t N = s.out_c;
   const int64_t pixels = OutPixels(s);
   if (pixels == 0) return;
-  if (binary_input) return BitpackedForward(s, x, w, scale, y, parallel_for);
+  if (binary_input) {
+    return BitpackedForwardWith(
+        s, x, PackBitFilterImpl(s, w, scale, PickBitIsa(), parallel_for), y,
+        parallel_for);
+  }
   if constexpr (std::is_same<T, float>::value) {
     if (amx::Usable() && amx::SupportsForward(s)) {
       const std::vector<float> alpha = FilterAlphaFloats(s, w, scale);
@@ -1164,6 +1217,13 @@ void BinaryConv2DBackpropFilter(const ConvShape& s, const T* x, const T* w,
 }
 
 #define TAPEHOOK_INSTANTIATE(T)                                              \
+  template BitFilter<T> PackBitFilter<T>(const ConvShape&, const T*, Scale,  \
+                                         const ParallelFor&);                \
+  template bool BitFilterFits<T>(const BitFilter<T>&, const ConvShape&,      \
+                                 Scale);                                     \
+  template void BinaryConv2DForwardBinary<T>(                                \
+      const ConvShape&, const T*, const BitFilter<T>&, T*,                   \
+      const ParallelFor&);                                                   \
   template std::vector<float> FilterAlphaFloats<T>(const ConvShape&,       \
                                                    const T*, Scale);         \
   template void BinaryConv2DForward<T>(const ConvShape&, const T*, const T*, \

@@ -76,6 +76,40 @@ void BinaryConv2DForward(const ConvShape& s, const T* x, const T* w,
                          bool binary_input, Scale scale, T* y,
                          const ParallelFor& parallel_for);
 
+// The filter side of the fully binary forward (BinaryConv2DForward with
+// binary_input): W's signs packed 64 input channels to a word, each tap's
+// popcount (what a zero padding tap adds) and alpha. It depends only on W,
+// the filter geometry, the scale and the CPU tier that packed it, so a
+// caller may keep it while W is unchanged (the TF op does, see
+// cc_kernels/tf/binary_conv_ops.cc).
+template <typename T>
+struct BitFilter {
+  int64_t k_h = 0, k_w = 0, in_c = 0, out_c = 0;
+  Scale scale = Scale::kNone;
+  int isa = 0;  // the tier that packed it
+  int64_t n_pad = 0;
+  std::vector<uint64_t> words;     // [taps * words per pixel][n_pad]
+  std::vector<int32_t> tap_count;  // [taps][out_c]
+  std::vector<T> alpha;            // [out_c]
+};
+
+template <typename T>
+BitFilter<T> PackBitFilter(const ConvShape& s, const T* w, Scale scale,
+                           const ParallelFor& parallel_for);
+
+// Whether f serves a conv of geometry s with this scale on the CPU tier the
+// kernels pick now (the TAPEHOOK_NO_* switches are read on each call).
+template <typename T>
+bool BitFilterFits(const BitFilter<T>& f, const ConvShape& s, Scale scale);
+
+// BinaryConv2DForward(s, x, w, /*binary_input=*/true, scale, y) given
+// f = PackBitFilter(s, w, scale) with BitFilterFits(f, s, scale): the same
+// output, bit for bit.
+template <typename T>
+void BinaryConv2DForwardBinary(const ConvShape& s, const T* x,
+                               const BitFilter<T>& f, T* y,
+                               const ParallelFor& parallel_for);
+
 // dx[batch, in_h, in_w, in_c]. x is read only when act_est != kNone.
 template <typename T>
 void BinaryConv2DBackpropInput(const ConvShape& s, const T* x, const T* w,

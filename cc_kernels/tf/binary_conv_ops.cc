@@ -2,6 +2,8 @@
 // registration, attr parsing, shape checks, dtype adaptation and threads.
 // All binary math lives in the core.
 #include <atomic>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -53,9 +55,13 @@ REGISTER_OP("TapehookBinaryConv2D")
     .Input("filter: T")
     .Output("output: T")
     .TAPEHOOK_CONV_ATTRS
+    .Attr("cache_filter: bool = false")
     .SetShapeFn(::tensorflow::shape_inference::Conv2DShapeWithExplicitPadding)
     .Doc("conv2d(x_hat, alpha * sign(filter)); x_hat = sign(input) when "
-         "activation_estimator != 'none'.");
+         "activation_estimator != 'none'. cache_filter: with binary input, "
+         "keep the packed filter while the filter tensor's buffer is the same "
+         "(only for filters read from resource variables, whose writes never "
+         "touch a buffer that is still referenced).");
 
 REGISTER_OP("TapehookBinaryConv2DBackpropInput")
     .Input("input: T")
@@ -145,25 +151,68 @@ class WidenedOut {
 template <typename T>
 class BinaryConv2DOp : public OpKernel {
  public:
+  using C = typename Compute<T>::type;
   explicit BinaryConv2DOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ParseAttrs(ctx, &attrs_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("cache_filter", &cache_filter_));
   }
   void Compute(OpKernelContext* ctx) override {
     ConvShape s;
     Tensor* y = nullptr;
     OP_REQUIRES_OK(ctx, PrepareForward(ctx, attrs_, &s, &y));
     if (y->NumElements() == 0) return;
-    Widened<T> xw(ctx->input(0)), ww(ctx->input(1));
+    Widened<T> xw(ctx->input(0));
     WidenedOut<T> out(y);
-    BinaryConv2DForward(s, xw.data(), ww.data(),
-                        attrs_.act_est != Estimator::kNone, attrs_.scale,
-                        out.data(), ThreadPoolOf(ctx));
+    if (attrs_.act_est != Estimator::kNone && cache_filter_) {
+      const std::shared_ptr<const BitFilter<C>> f =
+          Filter(s, ctx->input(1), ThreadPoolOf(ctx));
+      BinaryConv2DForwardBinary(s, xw.data(), *f, out.data(),
+                                ThreadPoolOf(ctx));
+    } else {
+      Widened<T> ww(ctx->input(1));
+      BinaryConv2DForward(s, xw.data(), ww.data(),
+                          attrs_.act_est != Estimator::kNone, attrs_.scale,
+                          out.data(), ThreadPoolOf(ctx));
+    }
     out.Store();
     CountDispatch(kForward);
   }
 
  private:
+  // The packed filter of w: the one kept from an earlier call while w is
+  // that call's very buffer, else packed now and kept. Keeping the Tensor
+  // holds a reference to its buffer, so it cannot be freed and reused, and
+  // TF's writes to a resource variable whose buffer is referenced elsewhere
+  // go to a new buffer (copy on write: AssignVariableOp, the Assign*
+  // update ops and the optimizers' Apply* ops all check RefCountIsOne; XLA
+  // donates a buffer only then). Same buffer, same shape: same values.
+  // The cost: a variable written after such a call is copied once.
+  std::shared_ptr<const BitFilter<C>> Filter(const ConvShape& s,
+                                             const Tensor& w,
+                                             const ParallelFor& pool) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (filter_ != nullptr && kept_.dtype() == w.dtype() &&
+          kept_.shape() == w.shape() &&
+          kept_.tensor_data().data() == w.tensor_data().data() &&
+          BitFilterFits(*filter_, s, attrs_.scale)) {
+        return filter_;
+      }
+    }
+    Widened<T> ww(w);
+    auto f = std::make_shared<const BitFilter<C>>(
+        PackBitFilter(s, ww.data(), attrs_.scale, pool));
+    std::lock_guard<std::mutex> lock(mu_);
+    kept_ = w;
+    filter_ = f;
+    return f;
+  }
+
   ConvAttrs attrs_;
+  bool cache_filter_ = false;
+  std::mutex mu_;
+  Tensor kept_;  // the filter tensor filter_ was packed from
+  std::shared_ptr<const BitFilter<C>> filter_;
 };
 
 // Both backprops take (input, filter, out_backprop); kFilter selects the core call.
