@@ -135,3 +135,19 @@ def test_keras_predict_after_fit():
     after = model.predict(x, verbose=0)
     assert_close(after, _expected(tf.constant(x), kernel.numpy()), what="after fit")
     assert not np.array_equal(after, before)
+
+
+def test_concurrent_inference_calls():
+    """One tf.function run from several threads at once: the kernel's kept
+    filter is shared under a lock; every call gets the right output."""
+    import concurrent.futures
+
+    x, w0 = random_inputs((1, 8, 8, 48), (3, 3, 48, 24), seed=4)
+    w = tapehook.mark_binary(tf.Variable(w0), activations=True, scale="mean_abs")
+    forward = tf.function(lambda: tf.nn.conv2d(x, w, 1, "SAME"))
+    expected = _expected(x, w0.numpy())
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        outputs = list(pool.map(lambda _: forward().numpy(), range(32)))
+    for y in outputs:
+        assert_close(y, expected)
+        np.testing.assert_array_equal(y, outputs[0])
