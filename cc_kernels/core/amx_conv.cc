@@ -775,8 +775,7 @@ std::vector<float> PaddedScale(const float* alpha, int64_t n) {
 // Writes the output-pixel rows of a finished 32 x 32 block (c as in
 // BlockStore) to out[pixel * ld + j] = c * scale[j], j < n, or 0 where
 // clip_x is given and !(|clip_x[pixel * ld + j]| <= clip) (the ste_sign
-// mask). The pixel of grid row q advances with q instead of being divided
-// out per row.
+// mask).
 #if TAPEHOOK_HAVE_AMX_PATH
 TAPEHOOK_AMX void StoreRows(const Grid& grid, int64_t q0, const float (*c)[256],
                             const float* scale, int64_t n, float* out,
@@ -788,31 +787,27 @@ TAPEHOOK_AMX void StoreRows(const Grid& grid, int64_t q0, const float (*c)[256],
                                  : __mmask16((1u << (n - 16)) - 1);
   const __m512 sl = _mm512_maskz_loadu_ps(kl, scale);
   const __m512 sr = _mm512_maskz_loadu_ps(kr, scale + 16);
-  const int64_t plane = grid.plane();
   const __m512 lim = _mm512_set1_ps(clip);
-  int64_t img = q0 / plane, row = q0 % plane / grid.wp, col = q0 % grid.wp;
+  int64_t pixel[32];
+  grid.Walk(q0, 32, /*data=*/false,
+            [&](int64_t i, int64_t p) { pixel[i] = p; });
   for (int64_t i = 0; i < 32; ++i) {
-    if (img < grid.batch && row < grid.out_h && col < grid.out_w) {
-      const int64_t at = ((img * grid.out_h + row) * grid.out_w + col) * ld;
-      __mmask16 ml = kl, mr = kr;
-      if (clip_x != nullptr) {  // keep lanes with |x| <= clip (NaN: dropped)
-        const __m512 xl = _mm512_maskz_loadu_ps(kl, clip_x + at);
-        const __m512 xr = _mm512_maskz_loadu_ps(kr, clip_x + at + 16);
-        ml = _mm512_mask_cmp_ps_mask(kl, _mm512_abs_ps(xl), lim, _CMP_LE_OQ);
-        mr = _mm512_mask_cmp_ps_mask(kr, _mm512_abs_ps(xr), lim, _CMP_LE_OQ);
-      }
-      float* dst = out + at;
-      const float* left = c[(i / 16) * 2] + (i % 16) * 16;
-      const float* right = c[(i / 16) * 2 + 1] + (i % 16) * 16;
-      _mm512_mask_storeu_ps(dst, kl,
-                            _mm512_maskz_mul_ps(ml, _mm512_load_ps(left), sl));
-      _mm512_mask_storeu_ps(dst + 16, kr,
-                            _mm512_maskz_mul_ps(mr, _mm512_load_ps(right), sr));
+    if (pixel[i] < 0) continue;
+    const int64_t at = pixel[i] * ld;
+    __mmask16 ml = kl, mr = kr;
+    if (clip_x != nullptr) {  // keep lanes with |x| <= clip (NaN: dropped)
+      const __m512 xl = _mm512_maskz_loadu_ps(kl, clip_x + at);
+      const __m512 xr = _mm512_maskz_loadu_ps(kr, clip_x + at + 16);
+      ml = _mm512_mask_cmp_ps_mask(kl, _mm512_abs_ps(xl), lim, _CMP_LE_OQ);
+      mr = _mm512_mask_cmp_ps_mask(kr, _mm512_abs_ps(xr), lim, _CMP_LE_OQ);
     }
-    if (++col == grid.wp) {
-      col = 0;
-      if (++row == grid.hp) row = 0, ++img;
-    }
+    float* dst = out + at;
+    const float* left = c[(i / 16) * 2] + (i % 16) * 16;
+    const float* right = c[(i / 16) * 2 + 1] + (i % 16) * 16;
+    _mm512_mask_storeu_ps(dst, kl,
+                          _mm512_maskz_mul_ps(ml, _mm512_load_ps(left), sl));
+    _mm512_mask_storeu_ps(dst + 16, kr,
+                          _mm512_maskz_mul_ps(mr, _mm512_load_ps(right), sr));
   }
 }
 #else
