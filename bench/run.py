@@ -96,16 +96,21 @@ def run_worker(args):
         return tf.stop_gradient(tf.reduce_mean(tf.abs(w), axis=[0, 1, 2]))
 
     def timed(fns, warmup, reps):
-        """Interleaved timing of {name: fn}; returns {name: [seconds]}."""
+        """Interleaved timing of {name: fn}; returns {name: [seconds]}. The
+        order flips every rep: a call inherits the aftermath of the one before
+        it (a 0.3 ms batch-1 call takes ~0.1 ms longer right after stock's
+        conv), so each side follows the other half the time."""
         for fn in fns.values():
             for _ in range(warmup):
                 fn()
         times = {name: [] for name in fns}
+        order = list(fns.items())
         for _ in range(reps):
-            for name, fn in fns.items():
+            for name, fn in order:
                 start = time.perf_counter()
                 fn()  # CPU eager execution is synchronous
                 times[name].append(time.perf_counter() - start)
+            order.reverse()
         return times
 
     shapes = [SHAPES[i] for i in QUICK_SHAPES] if args.quick else SHAPES
