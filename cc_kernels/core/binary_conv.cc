@@ -711,25 +711,21 @@ void BitpackedBlocks512(const ConvShape& s, BitInput input, const T* x,
       return std::pair<const uint64_t*, int64_t>(xb + n * s.in_h * s.in_w * cw,
                                                  0);
     };
-    // Small convs (a batch-1 layer) get smaller blocks, so that the threads
-    // share the work evenly: at least 16 blocks, whole register tiles.
-    const int64_t block = std::min(
-        kBitPixelBlock512,
-        std::max<int64_t>(simd::kConvMR,
-                          pixels / 16 / simd::kConvMR * simd::kConvMR));
-    const int64_t blocks = (pixels + block - 1) / block;
-    parallel_for(blocks, block * pixel_cost,
+    const int64_t blocks =
+        (pixels + kBitPixelBlock512 - 1) / kBitPixelBlock512;
+    parallel_for(blocks, kBitPixelBlock512 * pixel_cost,
                  [&](int64_t b0, int64_t b1) {
                    Scratch sc = new_scratch();
                    for (int64_t b = b0; b < b1; ++b) {
-                     const int64_t pix0 = b * block;
-                     const int64_t np = std::min(block, pixels - pix0);
+                     const int64_t pix0 = b * kBitPixelBlock512;
+                     const int64_t np =
+                         std::min(kBitPixelBlock512, pixels - pix0);
                      // Stride-1 kPixels: the next block's floats follow.
                      const bool ahead = input == BitInput::kPixels &&
                                         s.out_h == s.in_h &&
                                         s.out_w == s.in_w && b + 1 < b1;
-                     const int64_t next_np =
-                         std::min(block, pixels - pix0 - np);
+                     const int64_t next_np = std::min(
+                         kBitPixelBlock512, pixels - pix0 - np);
                      run_block(sc, pix0, np, whole_input,
                                x + (pix0 + np) * C,
                                ahead ? lines_of(next_np * C) : 0);
