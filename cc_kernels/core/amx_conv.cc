@@ -736,6 +736,17 @@ void PackShiftedB(const uint16_t* sm, int64_t taps, int64_t kp, int64_t n_pad,
   });
 }
 
+// The B of a shifted GEMM over sign(W) (SignMatrix, then PackShiftedB).
+std::unique_ptr<Buffer> SignB(const float* w, int64_t taps, int64_t C,
+                              int64_t O, bool transposed, int64_t kp,
+                              int64_t n_pad, const ParallelFor& parallel_for) {
+  std::unique_ptr<Buffer> b(new Buffer(n_pad * taps * kp));
+  const auto sm =
+      SignMatrix(w, taps, C, O, transposed, kp, n_pad, parallel_for);
+  PackShiftedB(sm->p, taps, kp, n_pad, b->p, parallel_for);
+  return b;
+}
+
 // Rows [r0, r1) of a shifted GEMM's A over a grid into dst (row r0 first):
 // each data pixel's `channels` values (times scale[c] if given) split into
 // hi, mid and lo parts of kp values each (zero-padded), zeros for padding.
@@ -984,18 +995,14 @@ bool Forward(const ConvShape& s, const float* x, const float* w,
   const int64_t rows = q_pairs * 32 + tp.max_off;
   const int64_t o_pairs = (O + 31) / 32;
 
-  Buffer b(o_pairs * taps * kp * 32);
-  {
-    const auto sm = SignMatrix(w, taps, C, O, /*transposed=*/false, kp,
-                               o_pairs * 32, parallel_for);
-    PackShiftedB(sm->p, taps, kp, o_pairs * 32, b.p, parallel_for);
-  }
+  const auto b = SignB(w, taps, C, O, /*transposed=*/false, kp, o_pairs * 32,
+                       parallel_for);
 
   const std::vector<float> scale = PaddedScale(alpha, O);
   const ShiftedGemm g{kp,
                       tp.off.data(),
                       taps,
-                      b.p,
+                      b->p,
                       o_pairs,
                       q_pairs,
                       OGroup(o_pairs, taps, kp),
@@ -1034,19 +1041,15 @@ bool BackpropInputImpl(const ConvShape& s, const float* x,
 
   const std::vector<float> scale = PaddedScale(alpha, O);
 
-  Buffer b(c_pairs * taps * kp * 32);
-  {
-    const auto sm = SignMatrix(w, taps, C, O, /*transposed=*/true, kp,
-                               c_pairs * 32, parallel_for);
-    PackShiftedB(sm->p, taps, kp, c_pairs * 32, b.p, parallel_for);
-  }
+  const auto b = SignB(w, taps, C, O, /*transposed=*/true, kp, c_pairs * 32,
+                       parallel_for);
 
   const std::vector<float> ones(32, 1.0f);
   const ShiftedGemm g{
       kp,
       tp.off.data(),
       taps,
-      b.p,
+      b->p,
       c_pairs,
       q_pairs,
       OGroup(c_pairs, taps, kp),

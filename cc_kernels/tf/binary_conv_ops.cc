@@ -246,6 +246,20 @@ class BinaryConv2DBackpropOp : public OpKernel {
   ConvAttrs attrs_;
 };
 
+// Input 0 (packed bits) with its last dimension replaced by the `channels`
+// attr: the shape of the unpacked input. Input 0 has rank `rank`, or any
+// rank >= 1 when rank is 0.
+absl::Status UnpackedShape(shape_inference::InferenceContext* c, int rank,
+                           shape_inference::ShapeHandle* out) {
+  int64_t channels;
+  TF_RETURN_IF_ERROR(c->GetAttr("channels", &channels));
+  shape_inference::ShapeHandle in = c->input(0), prefix;
+  TF_RETURN_IF_ERROR(rank > 0 ? c->WithRank(in, rank, &in)
+                              : c->WithRankAtLeast(in, 1, &in));
+  TF_RETURN_IF_ERROR(c->Subshape(in, 0, -1, &prefix));
+  return c->Concatenate(prefix, c->Vector(channels), out);
+}
+
 REGISTER_OP("TapehookPackInput")
     .Input("input: T")
     .Output("packed: uint8")
@@ -273,12 +287,8 @@ REGISTER_OP("TapehookUnpackInput")
     .Attr("T: {half, bfloat16, float, double}")
     .Attr("channels: int")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
-      int64_t channels;
-      TF_RETURN_IF_ERROR(c->GetAttr("channels", &channels));
-      shape_inference::ShapeHandle in = c->input(0), prefix, out;
-      TF_RETURN_IF_ERROR(c->WithRankAtLeast(in, 1, &in));
-      TF_RETURN_IF_ERROR(c->Subshape(in, 0, -1, &prefix));
-      TF_RETURN_IF_ERROR(c->Concatenate(prefix, c->Vector(channels), &out));
+      shape_inference::ShapeHandle out;
+      TF_RETURN_IF_ERROR(UnpackedShape(c, /*rank=*/0, &out));
       c->set_output(0, out);
       c->set_output(1, out);
       return absl::OkStatus();
@@ -345,12 +355,8 @@ REGISTER_OP("TapehookBinaryConv2DBackpropInputPacked")
     .TAPEHOOK_CONV_ATTRS
     .Attr("channels: int")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
-      int64_t channels;
-      TF_RETURN_IF_ERROR(c->GetAttr("channels", &channels));
-      shape_inference::ShapeHandle in = c->input(0), prefix, out;
-      TF_RETURN_IF_ERROR(c->WithRank(in, 4, &in));
-      TF_RETURN_IF_ERROR(c->Subshape(in, 0, -1, &prefix));
-      TF_RETURN_IF_ERROR(c->Concatenate(prefix, c->Vector(channels), &out));
+      shape_inference::ShapeHandle out;
+      TF_RETURN_IF_ERROR(UnpackedShape(c, /*rank=*/4, &out));
       c->set_output(0, out);
       return absl::OkStatus();
     })
