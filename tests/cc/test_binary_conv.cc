@@ -615,11 +615,15 @@ void TestBitpackedTiers() {
       unsetenv("TAPEHOOK_NO_AVX2");
     }
   };
-  constexpr int kSmallCases = 60, kCases = 70;
+  constexpr int kSmallCases = 60, kLargeCases = 10, kPointwiseCases = 24;
+  constexpr int kCases = kSmallCases + kLargeCases + kPointwiseCases;
   std::mt19937_64 rng(20250301);
   int passed = 0;
   for (int i = 0; i < kCases; ++i) {
-    const bool large = i >= kSmallCases;
+    const bool large = i >= kSmallCases && i < kSmallCases + kLargeCases;
+    // 1x1 convs without padding: 1 to 10 words of channels (the AVX-512
+    // tier keeps up to 8 words of W in registers, more take the tiles).
+    const bool pointwise = i >= kSmallCases + kLargeCases;
     Problem pr;
     pr.act_est = Estimator::kSteSign;
     pr.w_est = Estimator::kSteSign;
@@ -648,8 +652,18 @@ void TestBitpackedTiers() {
       while (large && s.batch * s.in_h * s.in_w * s.in_c < (1 << 18)) {
         ++s.batch;
       }
-      const Padding padding = Pick<Padding>(
-          rng, {Padding::kSame, Padding::kValid, Padding::kExplicit});
+      if (pointwise) {
+        s.in_c = Pick<int64_t>(
+            rng, {1, 64, 100, 192, 256, 300, 449, 512, 513, 640});
+        s.out_c = Pick<int64_t>(rng, {1, 7, 16, 17, 33, 40, 64, 100});
+        s.k_h = s.k_w = 1;
+        s.dil_h = s.dil_w = 1;
+        s.in_h = size(rng) + 4, s.in_w = size(rng) + 4;
+      }
+      const Padding padding =
+          pointwise ? Pick<Padding>(rng, {Padding::kSame, Padding::kValid})
+                    : Pick<Padding>(rng, {Padding::kSame, Padding::kValid,
+                                          Padding::kExplicit});
       if (tapehook::ComputeConvGeometry(padding, pad(rng), pad(rng), pad(rng),
                                         pad(rng), &s)
               .empty()) {
