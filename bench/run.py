@@ -12,6 +12,7 @@ bench/results/latest.json and bench/results/latest.png. See bench/README.md.
 """
 
 import argparse
+import gc
 import json
 import os
 import pathlib
@@ -40,6 +41,8 @@ QUICK_SHAPES = (0, 2, 3, 5)
 # prunes the forward conv and the step looks 25-40 % faster).
 COMPARISONS = {
     "forward_binary": ("tapehook fully binary forward", "tf.nn.conv2d on +-1 floats"),
+    "forward_binary_graph": ("tapehook fully binary forward, per conv of a graph",
+                             "tf.nn.conv2d on +-1 floats, per conv of a graph"),
     "step_binary": ("tapehook fully binary step", "larq-style step (STE on x and W)"),
     "step_weight_only": ("tapehook weight-only step", "larq-style step (STE on W)"),
     "kernel_forward_binary": ("raw TapehookBinaryConv2D (binary x)", "raw Conv2D"),
@@ -95,6 +98,19 @@ def run_worker(args):
     def mean_abs(w):
         return tf.stop_gradient(tf.reduce_mean(tf.abs(w), axis=[0, 1, 2]))
 
+    def in_graph(conv, repeats):
+        """One call runs `conv` `repeats` times in a tf.while_loop, as a
+        model's forward runs its layers: per conv, the Python-to-TF call
+        (0.2-0.3 ms here, the same for both sides) is paid once per call, not
+        once per conv. Each output feeds the loop's result, so none is
+        pruned."""
+        @tf.function
+        def fn():
+            def body(i, acc):
+                return i + 1, acc + conv()[0, 0, 0, 0]
+            return tf.while_loop(lambda i, _: i < repeats, body, (0, 0.0))[1]
+        return fn
+
     def timed(fns, warmup, reps):
         """Interleaved timing of {name: fn}; returns {name: [seconds]}. The
         order flips every rep: a call inherits the aftermath of the one before
@@ -105,12 +121,20 @@ def run_worker(args):
                 fn()
         times = {name: [] for name in fns}
         order = list(fns.items())
-        for _ in range(reps):
-            for name, fn in order:
-                start = time.perf_counter()
-                fn()  # CPU eager execution is synchronous
-                times[name].append(time.perf_counter() - start)
-            order.reverse()
+        # As timeit does: no cyclic garbage collection inside the timed calls
+        # (a collection walks all of TF's Python objects and lands on
+        # whichever call triggers it).
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(reps):
+                for name, fn in order:
+                    start = time.perf_counter()
+                    fn()  # CPU eager execution is synchronous
+                    times[name].append(time.perf_counter() - start)
+                order.reverse()
+        finally:
+            gc.enable()
         return times
 
     shapes = [SHAPES[i] for i in QUICK_SHAPES] if args.quick else SHAPES
@@ -133,6 +157,7 @@ def run_worker(args):
         x_sizes = tf.constant([n, hw, hw, cin])
         w_sizes = tf.constant([k, k, cin, cout])
         flops = 2.0 * n * hw * hw * k * k * cin * cout
+        repeats = 32 if n == 1 else 8  # convs per call in forward_binary_graph
 
         def step(w, larq_x, larq_w):
             @tf.function
@@ -150,6 +175,10 @@ def run_worker(args):
             "forward_binary": {
                 "ours": tf.function(lambda: tf.nn.conv2d(x, w_bin, **conv)),
                 "stock": tf.function(lambda: tf.nn.conv2d(x_pm1, w_pm1, **conv)),
+            },
+            "forward_binary_graph": {
+                "ours": in_graph(lambda: tf.nn.conv2d(x, w_bin, **conv), repeats),
+                "stock": in_graph(lambda: tf.nn.conv2d(x_pm1, w_pm1, **conv), repeats),
             },
             "step_binary": {"ours": step(w_bin, False, False),
                             "stock": step(w_stock, True, True)},
@@ -181,6 +210,8 @@ def run_worker(args):
                 tf, tapehook, lib, x, w_bin, dy, binary_attrs, conv)
         for comparison, fns in cases.items():
             times = timed(fns, args.warmup, args.reps)
+            if comparison == "forward_binary_graph":
+                times = {who: [t / repeats for t in ts] for who, ts in times.items()}
             row = {"shape": name, "comparison": comparison, "gflop": flops / 1e9}
             for who in ("ours", "stock"):
                 ts = times[who]

@@ -8,6 +8,7 @@ import pathlib
 import sys
 
 ROWS = [("forward_binary", "fully binary forward"),
+        ("forward_binary_graph", "fully binary forward, per conv of a graph"),
         ("step_binary", "fully binary training step"),
         ("step_weight_only", "weight-only training step"),
         ("kernel_forward_weight_only", "weight-only forward kernel"),

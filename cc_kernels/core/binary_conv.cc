@@ -638,16 +638,6 @@ void BitpackedBlocks512(const ConvShape& s, BitInput input, const T* x,
           }
         }
       }
-      if constexpr (std::is_same_v<T, float>) {
-        if (cw <= simd::kPointwiseMaxWords) {
-          const simd::BitConvPointwiseBlock block{
-              sc.rows.data(), wb,           n_pad,
-              static_cast<int32_t>(C),      alpha,
-              y + pix0 * N,   /*ldy=*/N,    /*n=*/N,
-              reinterpret_cast<const char*>(next), lines};
-          return simd::BitConvPointwise(block, static_cast<int>(cw), np);
-        }
-      }
       for (int64_t p = 0; p < np; ++p) {
         sc.seg[p] = &sc.rows[p * cw];  // segs == 1, seg_len == cw
         sc.bias[p] = interior_bias.data();

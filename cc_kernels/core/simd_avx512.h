@@ -284,10 +284,102 @@ TAPEHOOK_AVX512 inline void BitConvTile(const BitConvBlock<T>& a, int64_t r0,
   }
 }
 
+// Rows of at most 9 words (a 1x1 conv of up to 512 channels, a 3x3 conv of up
+// to 64), float outputs: the channel tile's columns of W stay in registers
+// (K x NQ zmm, K = segs * seg_len words) while the rows stream past, and a
+// row costs K broadcasts and K * NQ xor / popcount / add. BitConvTile, made
+// for long rows, spends most of its time around so few popcounts: clearing
+// and reducing 24 accumulators and loading row pointers per tile. Same
+// outputs, to the bit.
+template <int SEGS, int SEG_LEN>
+TAPEHOOK_AVX512 void BitConvShortK(const BitConvBlock<float>& a, int64_t rows) {
+  constexpr int K = SEGS * SEG_LEN;
+  constexpr int NQ = K <= 4 ? 4 : 2;
+  const __m512i low_halves = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16,
+                                               18, 20, 22, 24, 26, 28, 30);
+  const int64_t tiles = (a.n + 8 * NQ - 1) / (8 * NQ);
+  const int64_t lines_per_row =
+      (a.prefetch_lines + tiles * rows - 1) / std::max<int64_t>(1, tiles * rows);
+  int64_t line = 0;
+  for (int64_t j = 0; j < a.n; j += 8 * NQ) {
+    // Columns past n load as zeros: computed, never stored.
+    __m512i w[K][NQ];
+#pragma GCC unroll 16
+    for (int k = 0; k < K; ++k) {
+#pragma GCC unroll 4
+      for (int q = 0; q < NQ; ++q) {
+        w[k][q] = _mm512_maskz_loadu_epi64(FirstLanes8(a.n - j - 8 * q),
+                                           a.b + k * a.ldb + j + 8 * q);
+      }
+    }
+    __mmask16 keep[NQ / 2];
+    __m512 alpha[NQ / 2];
+#pragma GCC unroll 2
+    for (int h = 0; h < NQ / 2; ++h) {
+      keep[h] = FirstLanes16(a.n - j - 16 * h);
+      alpha[h] = _mm512_maskz_loadu_ps(keep[h], a.alpha + j + 16 * h);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t line_end = std::min(a.prefetch_lines, line + lines_per_row);
+      for (; line < line_end; ++line) {
+        _mm_prefetch(a.prefetch + 64 * line, _MM_HINT_T1);
+      }
+      const uint64_t* const* seg = a.seg + r * SEGS;
+      __m512i acc[NQ];
+#pragma GCC unroll 16
+      for (int k = 0; k < K; ++k) {
+        const __m512i xk = _mm512_set1_epi64(
+            static_cast<int64_t>(seg[k / SEG_LEN][k % SEG_LEN]));
+#pragma GCC unroll 4
+        for (int q = 0; q < NQ; ++q) {
+          const __m512i pop =
+              _mm512_popcnt_epi64(_mm512_xor_si512(xk, w[k][q]));
+          acc[q] = k == 0 ? pop : _mm512_add_epi64(acc[q], pop);
+        }
+      }
+      const int32_t* bias = a.bias[r] + j;
+      float* out = a.y + r * a.ldy + j;
+#pragma GCC unroll 2
+      for (int h = 0; h < NQ / 2; ++h) {
+        // Counts fit in 32 bits: two accumulators' low halves, one vpermt2d.
+        const __m512i cnt = _mm512_permutex2var_epi32(acc[2 * h], low_halves,
+                                                      acc[2 * h + 1]);
+        const __m512i dot =
+            _mm512_sub_epi32(_mm512_maskz_loadu_epi32(keep[h], bias + 16 * h),
+                             _mm512_add_epi32(cnt, cnt));
+        _mm512_mask_storeu_ps(
+            out + 16 * h, keep[h],
+            _mm512_mul_ps(alpha[h], _mm512_maskz_cvtepi32_ps(keep[h], dot)));
+      }
+    }
+  }
+}
+
+// BitConvShortK for the block's run layout if there is one; false if not.
+TAPEHOOK_AVX512 inline bool BitConvShort(const BitConvBlock<float>& a,
+                                         int64_t rows) {
+  switch (a.segs * 16 + a.seg_len) {
+    case 1 * 16 + 1: BitConvShortK<1, 1>(a, rows); return true;
+    case 1 * 16 + 2: BitConvShortK<1, 2>(a, rows); return true;
+    case 1 * 16 + 3: BitConvShortK<1, 3>(a, rows); return true;
+    case 1 * 16 + 4: BitConvShortK<1, 4>(a, rows); return true;
+    case 1 * 16 + 5: BitConvShortK<1, 5>(a, rows); return true;
+    case 1 * 16 + 6: BitConvShortK<1, 6>(a, rows); return true;
+    case 1 * 16 + 7: BitConvShortK<1, 7>(a, rows); return true;
+    case 1 * 16 + 8: BitConvShortK<1, 8>(a, rows); return true;
+    case 3 * 16 + 3: BitConvShortK<3, 3>(a, rows); return true;  // 3x3, 1 word
+    case 9 * 16 + 1: BitConvShortK<9, 1>(a, rows); return true;  // dilated
+    default: return false;
+  }
+}
+
 // All `rows` rows of the block against channels [0, n). Channel tiles are the
 // outer loop so a tile's columns of W stay in L1 across the pixels.
 template <typename T>
 TAPEHOOK_AVX512 void BitConv(const BitConvBlock<T>& a, int64_t rows) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (BitConvShort(a, rows)) return;
+  }
   const int64_t n8 = (a.n + 7) / 8 * 8;
   const int64_t tiles = (n8 + 8 * kConvNQ - 1) / (8 * kConvNQ) *
                         ((rows + kConvMR - 1) / kConvMR);
@@ -317,115 +409,6 @@ TAPEHOOK_AVX512 void BitConv(const BitConvBlock<T>& a, int64_t rows) {
           break;
       }
     }
-  }
-}
-
-// ---------------------------------------------------------------------------
-// Bit convolution of pointwise pixels (a 1x1 filter, no padding), float
-// outputs.
-//
-// Row r of x is one input pixel's signs (CW words, bits past the channels 0)
-// and column o of b ([CW][ldb] words, zero past n) output channel o:
-//
-//   y[r * ldy + o] = alpha[o] * (c - 2 * popcount(row r ^ column o))
-//
-// which is what BitConv computes with an all-match bias of c, to the bit.
-// Rows this short (4 words for 256 channels) leave BitConv's tiles spending
-// most of their time around the popcounts: clearing and reducing 24
-// accumulators, loading row pointers and biases per tile. Here a channel
-// tile's columns of W (CW x NQ zmm) stay in registers while the rows stream
-// past, and a pixel costs CW broadcasts and CW * NQ xor / popcount / add.
-// Spread over the rows, the block prefetches `prefetch_lines` cache lines
-// from `prefetch` into L2, as BitConv does.
-constexpr int kPointwiseMaxWords = 8;
-constexpr int PointwiseNQ(int cw) { return cw <= 4 ? 4 : 2; }
-
-struct BitConvPointwiseBlock {
-  const uint64_t* x;  // rows x CW words
-  const uint64_t* b;
-  int64_t ldb;
-  int32_t c;  // input channels: the count of an all-match row
-  const float* alpha;
-  float* y;
-  int64_t ldy;
-  int64_t n;
-  const char* prefetch;
-  int64_t prefetch_lines;
-};
-
-template <int CW>
-TAPEHOOK_AVX512 void BitConvPointwiseCW(const BitConvPointwiseBlock& a,
-                                        int64_t rows) {
-  constexpr int NQ = PointwiseNQ(CW);
-  static_assert(NQ % 2 == 0, "outputs are stored 16 lanes at a time");
-  const __m512i low_halves = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16,
-                                               18, 20, 22, 24, 26, 28, 30);
-  const __m512i all_match = _mm512_set1_epi32(a.c);
-  const int64_t tiles = (a.n + 8 * NQ - 1) / (8 * NQ);
-  const int64_t lines_per_row =
-      (a.prefetch_lines + tiles * rows - 1) / std::max<int64_t>(1, tiles * rows);
-  int64_t line = 0;
-  for (int64_t j = 0; j < a.n; j += 8 * NQ) {
-    // Columns past n load as zeros: computed, never stored.
-    __m512i w[CW][NQ];
-#pragma GCC unroll 8
-    for (int k = 0; k < CW; ++k) {
-#pragma GCC unroll 4
-      for (int q = 0; q < NQ; ++q) {
-        w[k][q] = _mm512_maskz_loadu_epi64(FirstLanes8(a.n - j - 8 * q),
-                                           a.b + k * a.ldb + j + 8 * q);
-      }
-    }
-    __mmask16 keep[NQ / 2];
-    __m512 alpha[NQ / 2];
-#pragma GCC unroll 2
-    for (int h = 0; h < NQ / 2; ++h) {
-      keep[h] = FirstLanes16(a.n - j - 16 * h);
-      alpha[h] = _mm512_maskz_loadu_ps(keep[h], a.alpha + j + 16 * h);
-    }
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t line_end = std::min(a.prefetch_lines, line + lines_per_row);
-      for (; line < line_end; ++line) {
-        _mm_prefetch(a.prefetch + 64 * line, _MM_HINT_T1);
-      }
-      const uint64_t* xr = a.x + r * CW;
-      __m512i acc[NQ];
-#pragma GCC unroll 8
-      for (int k = 0; k < CW; ++k) {
-        const __m512i xk = _mm512_set1_epi64(static_cast<int64_t>(xr[k]));
-#pragma GCC unroll 4
-        for (int q = 0; q < NQ; ++q) {
-          const __m512i pop = _mm512_popcnt_epi64(_mm512_xor_si512(xk, w[k][q]));
-          acc[q] = k == 0 ? pop : _mm512_add_epi64(acc[q], pop);
-        }
-      }
-      float* out = a.y + r * a.ldy + j;
-#pragma GCC unroll 2
-      for (int h = 0; h < NQ / 2; ++h) {
-        // Counts fit in 32 bits: two accumulators' low halves, one vpermt2d.
-        const __m512i cnt = _mm512_permutex2var_epi32(acc[2 * h], low_halves,
-                                                      acc[2 * h + 1]);
-        const __m512i dot = _mm512_sub_epi32(all_match, _mm512_add_epi32(cnt, cnt));
-        _mm512_mask_storeu_ps(
-            out + 16 * h, keep[h],
-            _mm512_mul_ps(alpha[h], _mm512_maskz_cvtepi32_ps(keep[h], dot)));
-      }
-    }
-  }
-}
-
-// BitConvPointwiseCW for cw words per row; cw <= kPointwiseMaxWords.
-TAPEHOOK_AVX512 inline void BitConvPointwise(const BitConvPointwiseBlock& a,
-                                             int cw, int64_t rows) {
-  switch (cw) {
-    case 1: return BitConvPointwiseCW<1>(a, rows);
-    case 2: return BitConvPointwiseCW<2>(a, rows);
-    case 3: return BitConvPointwiseCW<3>(a, rows);
-    case 4: return BitConvPointwiseCW<4>(a, rows);
-    case 5: return BitConvPointwiseCW<5>(a, rows);
-    case 6: return BitConvPointwiseCW<6>(a, rows);
-    case 7: return BitConvPointwiseCW<7>(a, rows);
-    default: return BitConvPointwiseCW<8>(a, rows);
   }
 }
 
