@@ -12,7 +12,6 @@ bench/results/latest.json and bench/results/latest.png. See bench/README.md.
 """
 
 import argparse
-import gc
 import json
 import os
 import pathlib
@@ -100,14 +99,15 @@ def run_worker(args):
 
     def in_graph(conv, repeats):
         """One call runs `conv` `repeats` times in a tf.while_loop, as a
-        model's forward runs its layers: per conv, the Python-to-TF call
-        (0.2-0.3 ms here, the same for both sides) is paid once per call, not
-        once per conv. Each output feeds the loop's result, so none is
-        pruned."""
+        model's forward runs its layers: the Python-to-TF call (0.2-0.3 ms
+        here, the same for both sides) is paid once per call, not once per
+        conv. Each turn adds its output's first value to the loop's result,
+        so no conv is pruned (nor hoisted: TF's loop optimizer leaves
+        loop-invariant nodes in place by default)."""
         @tf.function
         def fn():
-            def body(i, acc):
-                return i + 1, acc + conv()[0, 0, 0, 0]
+            def body(i, total):
+                return i + 1, total + conv()[0, 0, 0, 0]
             return tf.while_loop(lambda i, _: i < repeats, body, (0, 0.0))[1]
         return fn
 
@@ -121,20 +121,12 @@ def run_worker(args):
                 fn()
         times = {name: [] for name in fns}
         order = list(fns.items())
-        # As timeit does: no cyclic garbage collection inside the timed calls
-        # (a collection walks all of TF's Python objects and lands on
-        # whichever call triggers it).
-        gc.collect()
-        gc.disable()
-        try:
-            for _ in range(reps):
-                for name, fn in order:
-                    start = time.perf_counter()
-                    fn()  # CPU eager execution is synchronous
-                    times[name].append(time.perf_counter() - start)
-                order.reverse()
-        finally:
-            gc.enable()
+        for _ in range(reps):
+            for name, fn in order:
+                start = time.perf_counter()
+                fn()  # CPU eager execution is synchronous
+                times[name].append(time.perf_counter() - start)
+            order.reverse()
         return times
 
     shapes = [SHAPES[i] for i in QUICK_SHAPES] if args.quick else SHAPES
@@ -157,7 +149,7 @@ def run_worker(args):
         x_sizes = tf.constant([n, hw, hw, cin])
         w_sizes = tf.constant([k, k, cin, cout])
         flops = 2.0 * n * hw * hw * k * k * cin * cout
-        repeats = 32 if n == 1 else 8  # convs per call in forward_binary_graph
+        repeats = 32 if n == 1 else 16  # convs per call in forward_binary_graph
 
         def step(w, larq_x, larq_w):
             @tf.function
