@@ -18,7 +18,8 @@ TF with oneDNN on and off (README, "Speed"):
   tapehook's kernels, which run them as exact bf16x3 AMX GEMMs
   (cc_kernels/core/amx_conv.h) — except the dW of a weight-only conv (float x
   times float dy, six bf16 products per term) when TF runs oneDNN, whose
-  backprop-filter is then faster;
+  backprop-filter is then faster, and a binary-input dW that gets x as
+  floats (not as packed bits) over images under DW_MIN_IMAGE_PIXELS;
 - otherwise, forward with float activations: stock Conv2D on sign(W), then
   alpha; our AVX2 float kernels reached 0.5-0.8x of TF's AVX-512/oneDNN
   convolutions;
@@ -49,6 +50,12 @@ def policy() -> str:
 # 1x1: forward 1.2-1.3x, dX 1.2x, a float-input dW 0.96-1.07x.
 AMX_MIN_TAPS = 4
 AMX_MIN_PIXELS = 128
+# A dW whose input reaches it as floats (binary activations not kept as packed
+# bits: approx_sign / swish_sign, or TAPEHOOK_PACK_INPUTS=0) over images of
+# fewer pixels than this: stock. Bench, batch 16: 7x7x512 0.82-0.94x (oneDNN
+# on) and 0.82-1.06x (off); 14x14x256 1.3x and 2.1x. From packed bits our dW
+# wins everywhere (7x7x512: 1.7x on, 2.0x off), stock having to unpack first.
+DW_MIN_IMAGE_PIXELS = 100
 
 
 def _known(shape, dims):
@@ -104,6 +111,9 @@ def backprop_path(attrs, dtype=None, x_shape=None, w_shape=None,
     # kernels save unpacking the input bits. A 1x1 dX wins (1.2x).
     min_taps = 1 if packed or not filter_grad else AMX_MIN_TAPS
     if not _amx_fits(attrs, dtype, x_shape, w_shape, min_taps):
+        return STOCK
+    if (filter_grad and binary_input and not packed and _known(x_shape, 3)
+            and int(x_shape[1]) * int(x_shape[2]) < DW_MIN_IMAGE_PIXELS):
         return STOCK
     # dW of a weight-only conv is float x float: no exact operand, so AMX needs
     # six bf16 products per term, slower than oneDNN's backprop-filter.

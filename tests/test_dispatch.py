@@ -65,6 +65,10 @@ def test_auto_routes_and_matches_reference(monkeypatch, mode, activations, dilat
     # fewer pixels than AMX_MIN_PIXELS: stock (the bitpacked forward aside)
     (False, (1, 10, 10, 3), (3, 3, 3, 4), NONE),
     (True, (1, 10, 10, 3), (3, 3, 3, 4), dict(NONE, forward=1)),
+    # 7x7 images: a dW from float x (approx_sign keeps x, not bits) on stock,
+    # from packed bits (ste_sign) on the kernels
+    ("approx_sign", (4, 7, 7, 3), (3, 3, 3, 4), dict(ONE, backprop_filter=0)),
+    (True, (4, 7, 7, 3), (3, 3, 3, 4), ONE),
 ])
 def test_auto_keeps_small_float_convs_on_stock(monkeypatch, activations, x_shape,
                                                w_shape, compiled):
