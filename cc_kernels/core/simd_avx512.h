@@ -284,10 +284,11 @@ TAPEHOOK_AVX512 inline void BitConvTile(const BitConvBlock<T>& a, int64_t r0,
   }
 }
 
-// Rows of at most 9 words (a 1x1 conv of up to 512 channels, a 3x3 conv of up
-// to 64), float outputs: the channel tile's columns of W stay in registers
-// (K x NQ zmm, K = segs * seg_len words) while the rows stream past, and a
-// row costs K broadcasts and K * NQ xor / popcount / add. BitConvTile, made
+// Short rows, float outputs: a 1x1 conv of up to 512 channels (one run of 1
+// to 8 words) or a 3x3 conv of up to 64 (3 runs of 3 words, or 9 runs of 1
+// when dilated). The channel tile's columns of W stay in registers (K x NQ
+// zmm, K = segs * seg_len words) while the rows stream past, and a row costs
+// K broadcasts and K * NQ xor / popcount / add. BitConvTile, made
 // for long rows, spends most of its time around so few popcounts: clearing
 // and reducing 24 accumulators and loading row pointers per tile. Same
 // outputs, to the bit.
@@ -298,8 +299,8 @@ TAPEHOOK_AVX512 void BitConvShortK(const BitConvBlock<float>& a, int64_t rows) {
   const __m512i low_halves = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16,
                                                18, 20, 22, 24, 26, 28, 30);
   const int64_t tiles = (a.n + 8 * NQ - 1) / (8 * NQ);
-  const int64_t lines_per_row =
-      (a.prefetch_lines + tiles * rows - 1) / std::max<int64_t>(1, tiles * rows);
+  const int64_t lines_per_row = (a.prefetch_lines + tiles * rows - 1) /
+                                std::max<int64_t>(1, tiles * rows);
   int64_t line = 0;
   for (int64_t j = 0; j < a.n; j += 8 * NQ) {
     // Columns past n load as zeros: computed, never stored.
@@ -342,8 +343,8 @@ TAPEHOOK_AVX512 void BitConvShortK(const BitConvBlock<float>& a, int64_t rows) {
 #pragma GCC unroll 2
       for (int h = 0; h < NQ / 2; ++h) {
         // Counts fit in 32 bits: two accumulators' low halves, one vpermt2d.
-        const __m512i cnt = _mm512_permutex2var_epi32(acc[2 * h], low_halves,
-                                                      acc[2 * h + 1]);
+        const __m512i cnt =
+            _mm512_permutex2var_epi32(acc[2 * h], low_halves, acc[2 * h + 1]);
         const __m512i dot =
             _mm512_sub_epi32(_mm512_maskz_loadu_epi32(keep[h], bias + 16 * h),
                              _mm512_add_epi32(cnt, cnt));
@@ -355,22 +356,26 @@ TAPEHOOK_AVX512 void BitConvShortK(const BitConvBlock<float>& a, int64_t rows) {
   }
 }
 
-// BitConvShortK for the block's run layout if there is one; false if not.
+// BitConvShortK for the block's run layout if it is one of those above;
+// false if not.
 TAPEHOOK_AVX512 inline bool BitConvShort(const BitConvBlock<float>& a,
                                          int64_t rows) {
-  switch (a.segs * 16 + a.seg_len) {
-    case 1 * 16 + 1: BitConvShortK<1, 1>(a, rows); return true;
-    case 1 * 16 + 2: BitConvShortK<1, 2>(a, rows); return true;
-    case 1 * 16 + 3: BitConvShortK<1, 3>(a, rows); return true;
-    case 1 * 16 + 4: BitConvShortK<1, 4>(a, rows); return true;
-    case 1 * 16 + 5: BitConvShortK<1, 5>(a, rows); return true;
-    case 1 * 16 + 6: BitConvShortK<1, 6>(a, rows); return true;
-    case 1 * 16 + 7: BitConvShortK<1, 7>(a, rows); return true;
-    case 1 * 16 + 8: BitConvShortK<1, 8>(a, rows); return true;
-    case 3 * 16 + 3: BitConvShortK<3, 3>(a, rows); return true;  // 3x3, 1 word
-    case 9 * 16 + 1: BitConvShortK<9, 1>(a, rows); return true;  // dilated
-    default: return false;
+  using Kernel = void (*)(const BitConvBlock<float>&, int64_t);
+  static constexpr Kernel kOneRun[] = {
+      BitConvShortK<1, 1>, BitConvShortK<1, 2>, BitConvShortK<1, 3>,
+      BitConvShortK<1, 4>, BitConvShortK<1, 5>, BitConvShortK<1, 6>,
+      BitConvShortK<1, 7>, BitConvShortK<1, 8>};
+  Kernel kernel = nullptr;
+  if (a.segs == 1 && a.seg_len >= 1 && a.seg_len <= 8) {
+    kernel = kOneRun[a.seg_len - 1];
+  } else if (a.segs == 3 && a.seg_len == 3) {
+    kernel = BitConvShortK<3, 3>;
+  } else if (a.segs == 9 && a.seg_len == 1) {
+    kernel = BitConvShortK<9, 1>;  // dilated
   }
+  if (kernel == nullptr) return false;
+  kernel(a, rows);
+  return true;
 }
 
 // All `rows` rows of the block against channels [0, n). Channel tiles are the
