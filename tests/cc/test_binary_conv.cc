@@ -616,14 +616,25 @@ void TestBitpackedTiers() {
     }
   };
   constexpr int kSmallCases = 60, kLargeCases = 10, kPointwiseCases = 24;
-  constexpr int kCases = kSmallCases + kLargeCases + kPointwiseCases;
+  // Run layouts (k_h, k_w, in_c, dil_w) at and around those the AVX-512
+  // tier's short-row kernels take (1 run of <= 8 words, 3 of 3, 9 of 1):
+  // 2 runs of 19 words, 1 run of 9, 9 runs of 1, 3 runs of 6, 2 runs of 2.
+  constexpr int64_t kLayouts[][4] = {
+      {2, 1, 1216, 1}, {1, 1, 576, 1}, {3, 3, 64, 2}, {3, 3, 128, 1},
+      {2, 2, 64, 1}};
+  constexpr int kLayoutCases = sizeof(kLayouts) / sizeof(kLayouts[0]);
+  constexpr int kCases =
+      kSmallCases + kLargeCases + kPointwiseCases + kLayoutCases;
   std::mt19937_64 rng(20250301);
   int passed = 0;
   for (int i = 0; i < kCases; ++i) {
     const bool large = i >= kSmallCases && i < kSmallCases + kLargeCases;
     // 1x1 convs without padding: 1 to 10 words of channels (the AVX-512
     // tier keeps up to 8 words of W in registers, more take the tiles).
-    const bool pointwise = i >= kSmallCases + kLargeCases;
+    const int first_layout = kSmallCases + kLargeCases + kPointwiseCases;
+    const bool pointwise = i >= kSmallCases + kLargeCases && i < first_layout;
+    const int64_t* layout =
+        i >= first_layout ? kLayouts[i - first_layout] : nullptr;
     Problem pr;
     pr.act_est = Estimator::kSteSign;
     pr.w_est = Estimator::kSteSign;
@@ -660,6 +671,12 @@ void TestBitpackedTiers() {
         s.dil_h = s.dil_w = 1;
         s.in_h = size(rng) + 4, s.in_w = size(rng) + 4;
       }
+      if (layout != nullptr) {
+        s.k_h = layout[0], s.k_w = layout[1], s.in_c = layout[2];
+        s.dil_h = 1, s.dil_w = layout[3];
+        s.stride_h = s.stride_w = 1;
+        s.in_h = size(rng) + 6, s.in_w = size(rng) + 6;
+      }
       const Padding padding =
           pointwise ? Pick<Padding>(rng, {Padding::kSame, Padding::kValid})
                     : Pick<Padding>(rng, {Padding::kSame, Padding::kValid,
@@ -681,7 +698,7 @@ void TestBitpackedTiers() {
     }
     for (double& v : pr.w) v = u(rng) < 0.03 ? -0.0 : Value(rng, pr.clip);
     const Ref y_ref = RefForward(pr);
-    const bool is_float = i % 4 != 3;
+    const bool is_float = layout != nullptr || i % 4 != 3;
     bool ok = true;
     auto run = [&](auto zero) {
       using T = decltype(zero);
