@@ -99,7 +99,7 @@ def run_worker(args):
 
     def in_graph(conv, repeats):
         """One call runs `conv` `repeats` times in a tf.while_loop, as a
-        model's forward runs its layers: the Python-to-TF call (0.2-0.3 ms
+        model's forward runs its layers: the Python-to-TF call (0.2-0.45 ms
         here, the same for both sides) is paid once per call, not once per
         conv. Each turn adds its output's first value to the loop's result,
         so no conv is pruned (nor hoisted: TF's loop optimizer leaves
