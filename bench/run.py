@@ -42,6 +42,8 @@ COMPARISONS = {
     "forward_binary": ("tapehook fully binary forward", "tf.nn.conv2d on +-1 floats"),
     "forward_binary_graph": ("tapehook fully binary forward, per conv of a graph",
                              "tf.nn.conv2d on +-1 floats, per conv of a graph"),
+    "forward_weight_only": ("tapehook weight-only forward (inference)",
+                            "larq-style: conv on sign(W) * mean|W|"),
     "step_binary": ("tapehook fully binary step", "larq-style step (STE on x and W)"),
     "step_weight_only": ("tapehook weight-only step", "larq-style step (STE on W)"),
     "kernel_forward_binary": ("raw TapehookBinaryConv2D (binary x)", "raw Conv2D"),
@@ -171,6 +173,11 @@ def run_worker(args):
             "forward_binary_graph": {
                 "ours": in_graph(lambda: tf.nn.conv2d(x, w_bin, **conv), repeats),
                 "stock": in_graph(lambda: tf.nn.conv2d(x_pm1, w_pm1, **conv), repeats),
+            },
+            "forward_weight_only": {
+                "ours": tf.function(lambda: tf.nn.conv2d(x, w_wo, **conv)),
+                "stock": tf.function(lambda: tf.nn.conv2d(
+                    x, ste_sign(w_stock) * mean_abs(w_stock), **conv)),
             },
             "step_binary": {"ours": step(w_bin, False, False),
                             "stock": step(w_stock, True, True)},

@@ -9,6 +9,7 @@ import sys
 
 ROWS = [("forward_binary", "fully binary forward"),
         ("forward_binary_graph", "fully binary forward, per conv of a graph"),
+        ("forward_weight_only", "weight-only forward (inference)"),
         ("step_binary", "fully binary training step"),
         ("step_weight_only", "weight-only training step"),
         ("kernel_forward_weight_only", "weight-only forward kernel"),

@@ -121,11 +121,12 @@ def binary_conv2d(x, w, spec: BinarySpec, attrs: dict, name=None):
                 on_backward=lambda: _count_reference(backprop_input=1, backprop_filter=1))
         recording = execute.must_record_gradient()
         with record.stop_recording():
-            # Inference (no tape recording) lets a fully binary forward keep
-            # its packed filter while w's buffer stays the same: safe, since
-            # TF writes a variable read elsewhere to a new buffer (see the
-            # op's cache_filter). A training step would only pay a copy.
-            cache = bool(spec.activation_estimator) and not recording
+            # Inference (no tape recording) lets the forward keep its packed
+            # filter (bitpacked, or the AMX GEMM's sign(W) for a float input)
+            # while w's buffer stays the same: safe, since TF writes a
+            # variable read elsewhere to a new buffer (see the op's
+            # cache_filter). A training step would only pay a copy.
+            cache = not recording
             y = library.tapehook_binary_conv2d(x, w, **attrs, **spec.op_attrs(),
                                                cache_filter=cache)
             # With binary activations the backward needs only sign(x) and e'(x):

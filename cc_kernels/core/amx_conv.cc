@@ -984,9 +984,35 @@ bool SupportsBackpropInput(const ConvShape& s) {
 
 bool SupportsBackpropFilter(const ConvShape& s) { return SupportsForward(s); }
 
-bool Forward(const ConvShape& s, const float* x, const float* w,
-             const float* alpha, float* y, const ParallelFor& parallel_for) {
-  if (!SupportsForward(s) || !Usable()) return false;
+struct ForwardFilter {
+  int64_t k_h = 0, k_w = 0, in_c = 0, out_c = 0;
+  std::unique_ptr<Buffer> b;  // sign(W) as the shifted GEMM's B
+  std::vector<float> scale;   // alpha padded to whole pairs of 16 columns
+};
+
+std::shared_ptr<const ForwardFilter> PackForwardFilter(
+    const ConvShape& s, const float* w, const float* alpha,
+    const ParallelFor& parallel_for) {
+  if (!SupportsForward(s) || !Usable()) return nullptr;
+  const int64_t C = s.in_c, O = s.out_c, taps = s.k_h * s.k_w;
+  auto f = std::make_shared<ForwardFilter>();
+  f->k_h = s.k_h, f->k_w = s.k_w, f->in_c = C, f->out_c = O;
+  f->b = SignB(w, taps, C, O, /*transposed=*/false, RoundUp(C, 32),
+               (O + 31) / 32 * 32, parallel_for);
+  f->scale = PaddedScale(alpha, O);
+  return f;
+}
+
+bool ForwardFilterFits(const ForwardFilter& f, const ConvShape& s) {
+  return f.k_h == s.k_h && f.k_w == s.k_w && f.in_c == s.in_c &&
+         f.out_c == s.out_c;
+}
+
+bool ForwardWith(const ConvShape& s, const float* x, const ForwardFilter& f,
+                 float* y, const ParallelFor& parallel_for) {
+  if (!SupportsForward(s) || !Usable() || !ForwardFilterFits(f, s)) {
+    return false;
+  }
   const int64_t C = s.in_c, O = s.out_c, taps = s.k_h * s.k_w;
   const Grid grid = InputGrid(s);
   const Taps tp = TapOffsets(s, grid.wp);
@@ -994,15 +1020,10 @@ bool Forward(const ConvShape& s, const float* x, const float* w,
   const int64_t q_pairs = (grid.q_end() + 31) / 32;
   const int64_t rows = q_pairs * 32 + tp.max_off;
   const int64_t o_pairs = (O + 31) / 32;
-
-  const auto b = SignB(w, taps, C, O, /*transposed=*/false, kp, o_pairs * 32,
-                       parallel_for);
-
-  const std::vector<float> scale = PaddedScale(alpha, O);
   const ShiftedGemm g{kp,
                       tp.off.data(),
                       taps,
-                      b->p,
+                      f.b->p,
                       o_pairs,
                       q_pairs,
                       OGroup(o_pairs, taps, kp),
@@ -1012,11 +1033,18 @@ bool Forward(const ConvShape& s, const float* x, const float* w,
   RunShiftedGemm(
       g,
       [&](int64_t q0, int64_t o0, const float (*c)[256]) {
-        StoreRows(grid, q0, c, scale.data() + o0, std::min<int64_t>(32, O - o0),
-                  y + o0, O);
+        StoreRows(grid, q0, c, f.scale.data() + o0,
+                  std::min<int64_t>(32, O - o0), y + o0, O);
       },
       parallel_for);
   return true;
+}
+
+bool Forward(const ConvShape& s, const float* x, const float* w,
+             const float* alpha, float* y, const ParallelFor& parallel_for) {
+  const std::shared_ptr<const ForwardFilter> f =
+      PackForwardFilter(s, w, alpha, parallel_for);
+  return f != nullptr && ForwardWith(s, x, *f, y, parallel_for);
 }
 
 namespace {

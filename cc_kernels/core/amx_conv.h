@@ -23,6 +23,8 @@
 #ifndef TAPEHOOK_CORE_AMX_CONV_H_
 #define TAPEHOOK_CORE_AMX_CONV_H_
 
+#include <memory>
+
 #include "binary_conv.h"
 
 namespace tapehook {
@@ -44,6 +46,21 @@ bool SupportsBackpropFilter(const ConvShape& s);
 // y = conv2d(x, alpha * sign(W)) with a float input.
 bool Forward(const ConvShape& s, const float* x, const float* w,
              const float* alpha, float* y, const ParallelFor& parallel_for);
+
+// Forward in two steps. The filter side (sign(W) packed as the GEMM's B and
+// alpha) depends only on W, alpha and the filter geometry, so a caller may
+// keep it while W is unchanged (the TF op does, see
+// cc_kernels/tf/binary_conv_ops.cc). PackForwardFilter returns null, and
+// ForwardWith false, where Forward would return false; ForwardWith also
+// returns false when f does not fit s (ForwardFilterFits). Same outputs as
+// Forward, bit for bit.
+struct ForwardFilter;
+std::shared_ptr<const ForwardFilter> PackForwardFilter(
+    const ConvShape& s, const float* w, const float* alpha,
+    const ParallelFor& parallel_for);
+bool ForwardFilterFits(const ForwardFilter& f, const ConvShape& s);
+bool ForwardWith(const ConvShape& s, const float* x, const ForwardFilter& f,
+                 float* y, const ParallelFor& parallel_for);
 
 // dx = conv2d_backprop_input(alpha * sign(W), dy) [* e'(x) when act_est].
 bool BackpropInput(const ConvShape& s, const float* x, const float* w,

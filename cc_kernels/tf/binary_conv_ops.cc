@@ -58,10 +58,11 @@ REGISTER_OP("TapehookBinaryConv2D")
     .Attr("cache_filter: bool = false")
     .SetShapeFn(::tensorflow::shape_inference::Conv2DShapeWithExplicitPadding)
     .Doc("conv2d(x_hat, alpha * sign(filter)); x_hat = sign(input) when "
-         "activation_estimator != 'none'. cache_filter: with binary input, "
-         "keep the packed filter while the filter tensor's buffer is the same "
-         "(only for filters read from resource variables, whose writes never "
-         "touch a buffer that is still referenced).");
+         "activation_estimator != 'none'. cache_filter: keep the packed "
+         "filter (bitpacked with binary input; the AMX GEMM's sign(W) with "
+         "float input, where AMX runs it) while the filter tensor's buffer is "
+         "the same (only for filters read from resource variables, whose "
+         "writes never touch a buffer that is still referenced).");
 
 REGISTER_OP("TapehookBinaryConv2DBackpropInput")
     .Input("input: T")
@@ -163,56 +164,94 @@ class BinaryConv2DOp : public OpKernel {
     if (y->NumElements() == 0) return;
     Widened<T> xw(ctx->input(0));
     WidenedOut<T> out(y);
+    const ParallelFor pool = ThreadPoolOf(ctx);
     if (attrs_.act_est != Estimator::kNone && cache_filter_) {
-      const std::shared_ptr<const BitFilter<C>> f =
-          Filter(s, ctx->input(1), ThreadPoolOf(ctx));
-      BinaryConv2DForwardBinary(s, xw.data(), *f, out.data(),
-                                ThreadPoolOf(ctx));
-    } else {
+      const std::shared_ptr<const BitFilter<C>> f = Kept<BitFilter<C>>(
+          ctx->input(1), &bit_filter_,
+          [&](const BitFilter<C>& k) {
+            return BitFilterFits(k, s, attrs_.scale);
+          },
+          [&](const C* w) {
+            return std::make_shared<const BitFilter<C>>(
+                PackBitFilter(s, w, attrs_.scale, pool));
+          });
+      BinaryConv2DForwardBinary(s, xw.data(), *f, out.data(), pool);
+    } else if (!KeptAmxForward(s, ctx->input(1), xw.data(), out.data(),
+                               pool)) {
       Widened<T> ww(ctx->input(1));
       BinaryConv2DForward(s, xw.data(), ww.data(),
                           attrs_.act_est != Estimator::kNone, attrs_.scale,
-                          out.data(), ThreadPoolOf(ctx));
+                          out.data(), pool);
     }
     out.Store();
     CountDispatch(kForward);
   }
 
  private:
-  // The packed filter of w: the one kept from an earlier call while w is
-  // that call's very buffer, else packed now and kept. Keeping the Tensor
-  // holds a reference to its buffer, so it cannot be freed and reused, and
-  // TF's writes to a resource variable whose buffer is referenced elsewhere
-  // go to a new buffer (copy on write: AssignVariableOp, the Assign*
-  // update ops and the optimizers' Apply* ops all check RefCountIsOne; XLA
-  // donates a buffer only then). Same buffer, same shape: same values.
-  // The cost: a variable written after such a call is copied once.
-  std::shared_ptr<const BitFilter<C>> Filter(const ConvShape& s,
-                                             const Tensor& w,
-                                             const ParallelFor& pool) {
+  // The float-input forward on AMX with a kept filter side (sign(W) as the
+  // GEMM's B, alpha); false where it does not run (no cache_filter, binary
+  // input, double, no AMX or a geometry AMX does not take): the caller then
+  // runs BinaryConv2DForward.
+  bool KeptAmxForward(const ConvShape& s, const Tensor& w, const C* x, C* y,
+                      const ParallelFor& pool) {
+    if constexpr (std::is_same_v<C, float>) {
+      if (!cache_filter_ || attrs_.act_est != Estimator::kNone ||
+          !amx::Usable() || !amx::SupportsForward(s)) {
+        return false;
+      }
+      const std::shared_ptr<const amx::ForwardFilter> f =
+          Kept<amx::ForwardFilter>(
+              w, &amx_filter_,
+              [&](const amx::ForwardFilter& k) {
+                return amx::ForwardFilterFits(k, s);
+              },
+              [&](const float* wp) {
+                const std::vector<float> alpha =
+                    FilterAlphaFloats(s, wp, attrs_.scale);
+                return amx::PackForwardFilter(s, wp, AlphaOrNull(alpha), pool);
+              });
+      return f != nullptr && amx::ForwardWith(s, x, *f, y, pool);
+    }
+    return false;
+  }
+
+  // The packed filter of w (*slot's kind): the one kept from an earlier
+  // call while w is that call's very buffer and fits(kept), else pack(w's
+  // values) now, kept. Keeping the Tensor holds a reference to its buffer,
+  // so it cannot be freed and reused, and TF's writes to a resource variable
+  // whose buffer is referenced elsewhere go to a new buffer (copy on write:
+  // AssignVariableOp, the Assign* update ops and the optimizers' Apply* ops
+  // all check RefCountIsOne; XLA donates a buffer only then). Same buffer,
+  // same shape: same values. The cost: a variable written after such a call
+  // is copied once. An op instance keeps one kind: its attrs fix which.
+  template <typename F, typename Fits, typename Pack>
+  std::shared_ptr<const F> Kept(const Tensor& w,
+                                std::shared_ptr<const F>* slot, Fits fits,
+                                Pack pack) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (filter_ != nullptr && kept_.dtype() == w.dtype() &&
+      if (*slot != nullptr && kept_.dtype() == w.dtype() &&
           kept_.shape() == w.shape() &&
           kept_.tensor_data().data() == w.tensor_data().data() &&
-          BitFilterFits(*filter_, s, attrs_.scale)) {
-        return filter_;
+          fits(**slot)) {
+        return *slot;
       }
     }
     Widened<T> ww(w);
-    auto f = std::make_shared<const BitFilter<C>>(
-        PackBitFilter(s, ww.data(), attrs_.scale, pool));
+    std::shared_ptr<const F> f = pack(ww.data());
+    if (f == nullptr) return f;
     std::lock_guard<std::mutex> lock(mu_);
     kept_ = w;
-    filter_ = f;
+    *slot = f;
     return f;
   }
 
   ConvAttrs attrs_;
   bool cache_filter_ = false;
   std::mutex mu_;
-  Tensor kept_;  // the filter tensor filter_ was packed from
-  std::shared_ptr<const BitFilter<C>> filter_;
+  Tensor kept_;  // the filter tensor the kept filter was packed from
+  std::shared_ptr<const BitFilter<C>> bit_filter_;
+  std::shared_ptr<const amx::ForwardFilter> amx_filter_;
 };
 
 // Both backprops take (input, filter, out_backprop); kFilter selects the core call.

@@ -308,6 +308,48 @@ void TestManyWindows(std::mt19937_64& rng, int64_t k, int64_t c) {
         "backprop-input over many windows, three threads");
 }
 
+// A kept forward filter (PackForwardFilter once, ForwardWith per input) gives
+// Forward's outputs bit for bit, for inputs of any batch and size; it does
+// not fit a filter of another geometry, and ForwardWith refuses it there.
+void TestKeptForwardFilter(std::mt19937_64& rng) {
+  ConvShape s;
+  s.batch = 2, s.in_h = 9, s.in_w = 11, s.in_c = 45;
+  s.k_h = 3, s.k_w = 3, s.out_c = 37;
+  tapehook::ComputeConvGeometry(tapehook::Padding::kSame, 0, 0, 0, 0, &s);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> w(9 * 45 * 37), alpha(37);
+  for (float& t : w) t = normal(rng);
+  for (float& t : alpha) t = std::abs(normal(rng));
+  const auto f = tapehook::amx::PackForwardFilter(s, w.data(), alpha.data(),
+                                                  kThreeThreads);
+  Check(f != nullptr, "kept forward filter: packed");
+  if (f == nullptr) return;
+  for (int64_t batch : {2, 1, 3}) {
+    ConvShape sb = s;
+    sb.batch = batch, sb.in_h = 5 + batch;
+    tapehook::ComputeConvGeometry(tapehook::Padding::kSame, 0, 0, 0, 0, &sb);
+    std::vector<float> x(batch * sb.in_h * sb.in_w * 45);
+    for (float& t : x) t = normal(rng);
+    const size_t n = batch * sb.out_h * sb.out_w * 37;
+    std::vector<float> kept(n, 7.0f), fresh(n, -7.0f);
+    Check(tapehook::amx::ForwardWith(sb, x.data(), *f, kept.data(),
+                                     kThreeThreads),
+          "kept forward filter: ran");
+    tapehook::amx::Forward(sb, x.data(), w.data(), alpha.data(), fresh.data(),
+                           kSerial);
+    Check(std::memcmp(kept.data(), fresh.data(), n * sizeof(float)) == 0,
+          "kept forward filter: same bits as Forward");
+  }
+  ConvShape other = s;
+  other.in_c = 44;
+  tapehook::ComputeConvGeometry(tapehook::Padding::kSame, 0, 0, 0, 0, &other);
+  std::vector<float> x(2 * 9 * 11 * 44, 1.0f), y(2 * 9 * 11 * 37);
+  Check(!tapehook::amx::ForwardFilterFits(*f, other) &&
+            !tapehook::amx::ForwardWith(other, x.data(), *f, y.data(),
+                                        kSerial),
+        "kept forward filter: refused for another geometry");
+}
+
 }  // namespace
 
 int main() {
@@ -328,6 +370,7 @@ int main() {
   TestBackpropFilterBlocking(rng, 36, 128);
   TestManyWindows(rng, 1, 256);
   TestManyWindows(rng, 3, 96);
+  TestKeptForwardFilter(rng);
   for (int round = 0; round < 20; ++round) {
     TestForwardSingleProduct(rng);
     TestBackpropInputSingleProduct(rng);
