@@ -987,7 +987,7 @@ bool SupportsBackpropFilter(const ConvShape& s) { return SupportsForward(s); }
 struct ForwardFilter {
   int64_t k_h = 0, k_w = 0, in_c = 0, out_c = 0;
   std::unique_ptr<Buffer> b;  // sign(W) as the shifted GEMM's B
-  std::vector<float> scale;   // alpha padded to whole pairs of 16 columns
+  std::vector<float> scale;   // alpha (or ones), PaddedScale
 };
 
 std::shared_ptr<const ForwardFilter> PackForwardFilter(
