@@ -1202,8 +1202,6 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
                    kFloatD[] = {0, 1, 2, 0, 1, 0};
   const int64_t c_pairs = c_pad / 32, o_pairs = o_pad / 32;
   const int64_t units = taps * c_pairs * o_pairs;
-  // K block: one item's columns of x (all channels) and dy (one o pair)
-  // fill about 1 MiB of L2.
   // An item's columns of x and dy fill about 1 MiB of L2 (more thrashes it:
   // 7x7x512 ran 2.3x slower with 1.6 MiB). All of K in one block lets each
   // unit's sums go straight to dW, with no partial sums through memory; it

@@ -794,11 +794,21 @@ void BitpackedBlocks512(const ConvShape& s, BitInput input, const T* x,
 }
 #endif  // TAPEHOOK_HAVE_AVX512_PATH
 
+// How many times cheaper than the portable loops, per element, the packing
+// loops of a tier run: saying so lets parallel_for run small passes inline
+// instead of waking threads.
+template <typename T>
+int64_t PackCostDiv(BitIsa isa) {
+  return isa == BitIsa::kAvx512 && std::is_same_v<T, float> ? 4 : 1;
+}
+
 // Signs of W as [row_words][n_pad] words (columns >= N are zeros), each
-// tap's popcount (what a zero padding tap adds to a count) and alpha.
+// tap's popcount (what a zero padding tap adds to a count) and alpha, packed
+// on the tier the kernels pick now.
 template <typename T>
 BitFilter<T> PackBitFilterImpl(const ConvShape& s, const T* w, Scale scale,
-                               BitIsa isa, const ParallelFor& parallel_for) {
+                               const ParallelFor& parallel_for) {
+  const BitIsa isa = PickBitIsa();
   const int64_t C = s.in_c, N = s.out_c;
   const int64_t cw = WordsPerPixel(s);
   const int64_t taps = s.k_h * s.k_w;
@@ -808,11 +818,7 @@ BitFilter<T> PackBitFilterImpl(const ConvShape& s, const T* w, Scale scale,
   f.isa = static_cast<int>(isa);
   f.n_pad = RoundUp(N, kPopColTile);
   const int64_t n_pad = f.n_pad;
-  // The AVX-512 loop costs a few times less per element; saying so lets
-  // parallel_for run small passes inline instead of waking threads.
-  const int64_t pack_cost_div =
-      isa == BitIsa::kAvx512 && std::is_same_v<T, float> ? 4 : 1;
-  const int64_t tap_cost = C * N / pack_cost_div + 1;
+  const int64_t tap_cost = C * N / PackCostDiv<T>(isa) + 1;
   f.words.assign(taps * cw * n_pad, 0);
   f.tap_count.assign(taps * N, 0);
   std::vector<uint64_t>& wb = f.words;
@@ -871,11 +877,7 @@ void BitpackedForwardWith(const ConvShape& s, const T* x,
   const uint64_t* const wb = f.words.data();
   const int32_t* const tap_count = f.tap_count.data();
   const T* const alpha_t = f.alpha.data();
-  // The AVX-512 packing loops cost a few times less per element; saying so
-  // lets parallel_for run small passes inline instead of waking threads.
-  const int64_t pack_cost_div =
-      isa == BitIsa::kAvx512 && std::is_same_v<T, float> ? 4 : 1;
-  const int64_t pixel_cost = C / pack_cost_div + 1;
+  const int64_t pixel_cost = C / PackCostDiv<T>(isa) + 1;
 
 #if TAPEHOOK_HAVE_AVX512_PATH
   // Unless x is small, the AVX-512 tier packs it inside its units.
@@ -991,7 +993,7 @@ void BitpackedForwardWith(const ConvShape& s, const T* x,
 template <typename T>
 BitFilter<T> PackBitFilter(const ConvShape& s, const T* w, Scale scale,
                            const ParallelFor& parallel_for) {
-  return PackBitFilterImpl(s, w, scale, PickBitIsa(), parallel_for);
+  return PackBitFilterImpl(s, w, scale, parallel_for);
 }
 
 template <typename T>
@@ -1027,9 +1029,8 @@ void BinaryConv2DForward(const ConvShape& s, const T* x, const T* w,
   const int64_t pixels = OutPixels(s);
   if (pixels == 0) return;
   if (binary_input) {
-    return BitpackedForwardWith(
-        s, x, PackBitFilterImpl(s, w, scale, PickBitIsa(), parallel_for), y,
-        parallel_for);
+    return BitpackedForwardWith(s, x, PackBitFilter(s, w, scale, parallel_for),
+                                y, parallel_for);
   }
   if constexpr (std::is_same<T, float>::value) {
     if (amx::Usable() && amx::SupportsForward(s)) {
