@@ -7,6 +7,7 @@ piece, so a TF upgrade can never turn into silently wrong gradients or a
 half-installed override. Supported and tested: docs/compat.md.
 """
 
+import functools
 import inspect
 
 import tensorflow as tf
@@ -14,7 +15,7 @@ from tensorflow.python.eager import backprop, execute, record  # noqa: F401
 from tensorflow.python.framework import ops  # noqa: F401
 from tensorflow.python.framework import op_callbacks  # noqa: F401
 from tensorflow.python.ops import (control_flow_util, gen_array_ops,  # noqa: F401
-                                   gen_math_ops, gen_nn_ops, nn_ops,
+                                   gen_math_ops, gen_nn_ops, nn_impl, nn_ops,
                                    resource_variable_ops)
 
 from tapehook.errors import TapehookError
@@ -22,6 +23,7 @@ from tapehook.errors import TapehookError
 TESTED_RANGE = "TensorFlow 2.16 to 2.22 (nightly) with Keras 3"
 
 
+@functools.cache
 def keras_variable_base():
     """The base class of every Keras 3 variable, or () without Keras.
 
@@ -44,6 +46,20 @@ def onednn_enabled() -> bool:
         return bool(_pywrap_util_port.IsMklEnabled())
     except (ImportError, AttributeError):
         return False
+
+
+def hide_from_tracebacks(path: str, hidden: bool) -> None:
+    """Adds (or removes) ``path`` to the files TF leaves out of the "in user
+    code" frames of its error messages, as it leaves out its own: the
+    pass-through wrappers of patches.py are part of TF's functions, so an
+    error message through them reads exactly as without tapehook."""
+    from tensorflow.python.util import traceback_utils
+
+    excluded = getattr(traceback_utils, "_EXCLUDED_PATHS", None)
+    if not isinstance(excluded, tuple):  # cosmetic only: nothing to adjust
+        return
+    excluded = tuple(p for p in excluded if p != path)
+    traceback_utils._EXCLUDED_PATHS = excluded + ((path,) if hidden else ())
 
 
 def _params(fn):
@@ -103,6 +119,17 @@ def check() -> None:
             "input", "filters", "strides", "padding", "data_format", "dilations", "name"]:
         _fail("nn_ops.convolution_internal(input, filters, strides, padding, "
               "data_format, dilations, name, ...)")
+    for fn, head in [(nn_impl.depthwise_conv2d, ["input", "filter", "strides", "padding",
+                                                 "rate", "name", "data_format",
+                                                 "dilations"]),
+                     (nn_impl.separable_conv2d, ["input", "depthwise_filter",
+                                                 "pointwise_filter", "strides", "padding",
+                                                 "rate", "name", "data_format",
+                                                 "dilations"]),
+                     (nn_ops.conv1d_v2, ["input", "filters", "stride", "padding",
+                                         "data_format", "dilations", "name"])]:
+        if _params(fn) != head:
+            _fail(f"{fn.__module__}.{fn.__name__}({', '.join(head)})")
     try:
         import keras
     except ImportError:

@@ -13,6 +13,7 @@ from, in eager and in graphs alike.
 
 import threading
 
+import numpy as np
 import tensorflow as tf
 from tapehook.compat import keras_variable_base, resource_variable_ops
 from tapehook.errors import TapehookError
@@ -24,6 +25,32 @@ SUPPORTED_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 KERNEL_RANKS = (2, 3, 4)  # Dense, Conv1D, Conv2D / DepthwiseConv2D
 _SUPPORTED_NAMES = "half, bfloat16, float32, float64"
 
+# False until this process first marks a variable, opens a binary_scope or
+# binarizes a model. Until then the TF functions on the path of every op are
+# not wrapped at all (patches.py wraps them when armed), so unmarked code in a
+# process that never marks anything runs TF's own functions. Never reset:
+# marks can outlive any object.
+ARMED = False
+_on_arm = []  # callables run once, when the process is first armed
+_arm_lock = threading.Lock()
+
+# Objects that are never variables nor tensors read from one: the operand
+# check returns at once for them (NumPy / Python inputs to TF functions).
+_PLAIN_TYPES = (np.ndarray, np.generic, list, tuple, dict, int, float, complex, bool,
+                str, bytes, type(None))
+
+
+def arm() -> None:
+    """Called before anything that can make a conv binary exists."""
+    global ARMED
+    if ARMED:
+        return
+    with _arm_lock:
+        if not ARMED:
+            for callback in _on_arm:
+                callback()
+            ARMED = True
+
 
 def components(obj):
     """The tf ResourceVariables behind a variable-like object, else None.
@@ -31,6 +58,8 @@ def components(obj):
     Accepts tf.Variable, Keras 3 Variable, distributed (Mirrored) variables and
     their per-replica components.
     """
+    if isinstance(obj, _PLAIN_TYPES) or isinstance(obj, tf.Tensor):
+        return None
     keras_variable = keras_variable_base()
     if keras_variable and isinstance(obj, keras_variable):
         obj = obj._value  # the backing tf.Variable (read without autocast)
@@ -92,14 +121,14 @@ def make_spec(spec_kwargs) -> BinarySpec:
 
 def mark_binary(var, **spec):
     """Marks ``var`` binary with ``BinarySpec(**spec)``; returns ``var``."""
-    binary = make_spec(spec)
-    for comp in _check_markable(var):
-        setattr(comp.handle, _SPEC_ATTR, binary)
+    set_mark(var, make_spec(spec))
     return var
 
 
 def set_mark(var, spec: BinarySpec) -> None:
-    for comp in _check_markable(var):
+    comps = _check_markable(var)
+    arm()
+    for comp in comps:
         setattr(comp.handle, _SPEC_ATTR, spec)
 
 
@@ -124,10 +153,23 @@ def binary_spec_of(obj):
 
 
 def source_variable(obj):
-    """The variable a filter object is, or was read from; None for other tensors."""
-    if is_variable(obj):
-        return obj
-    return getattr(obj, SOURCE_ATTR, None)
+    """The variable a filter object is, or was read from; None for anything else.
+
+    Never raises: TF functions are called with NumPy arrays, lists, numbers and
+    tensors of unknown shape, and those must reach TF unchanged.
+    """
+    if isinstance(obj, _PLAIN_TYPES):
+        return None
+    if isinstance(obj, tf.Tensor):
+        return getattr(obj, SOURCE_ATTR, None)
+    return obj if is_variable(obj) else None
+
+
+def read_is_tagged(var) -> bool:
+    """Whether a read of the component variable ``var`` must tag its result:
+    inside a binary_scope, or when ``var`` is marked (all components of a
+    distributed variable carry the same mark)."""
+    return scope_active() or hasattr(var.handle, _SPEC_ATTR)
 
 
 def tag(tensor, variable) -> None:
@@ -159,6 +201,7 @@ def push_scope(spec: BinarySpec, allowed=None) -> None:
     ``allowed``: None (every filter used, and every variable created) or a
     predicate on a variable (only filters it accepts, decided when used).
     """
+    arm()
     scope_stack().append((spec, allowed))
 
 

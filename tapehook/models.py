@@ -67,6 +67,7 @@ class Policy:
     """Which layers of one model are binary, and with which spec."""
 
     def __init__(self, spec: BinarySpec, include, exclude, first_and_last_float):
+        marks.arm()  # layers under this policy decide their spec when called
         self.spec = spec
         self.include, self.exclude = include, exclude
         self.first_and_last_float = first_and_last_float
@@ -111,6 +112,7 @@ def _mark_layer(layer, spec):
     _set(layer, _LAYER_SPEC, spec)
     _set(layer, _DECIDED, True)
     if spec is not None:
+        marks.arm()
         layer.supports_jit = False  # Keras "auto" must not XLA-compile our ops
         kernel = getattr(layer, "kernel", None) if layer.built else None
         if kernel is not None and marks.binary_spec_of(kernel) is None:

@@ -37,7 +37,7 @@ restores the previous state.
 Mechanism: an op callback on this thread (op_callbacks) sees every op
 executed or created while a scope is active, and patches.py wraps
 ``execute.record_gradient`` (through which the generated op wrappers record
-ops on tapes outside the eager fast path) with ``_recording_with_overrides``,
+ops on tapes outside the eager fast path) with ``recording_with_overrides``,
 which costs one thread-local lookup when no scope is active.
 """
 
@@ -130,19 +130,23 @@ def _on_op(op_type, inputs, attrs, outputs, op_name=None, graph=None):
     return None
 
 
-def _recording_with_overrides(original):
-    """execute.record_gradient that records overridden op types with grad_fn.
+def recording_with_overrides(wrapped, instance, args, kwargs):
+    """execute.record_gradient (wrapt wrapper) that records overridden op
+    types with their grad_fn.
 
     In graphs the generated op wrappers record an op on tapes *after* op
     callbacks ran, so a callback's record would be replaced by the registered
     gradient's; the eager fallback path does the same.
     """
-    def record_gradient(op_name, inputs, attrs, outputs):
-        grad_fn = _override_for(op_name)
-        if grad_fn is None:
-            return original(op_name, inputs, attrs, outputs)
-        return _record(op_name, grad_fn, inputs, attrs, outputs)
-    return record_gradient
+    grad_fn = _override_for(args[0] if args else kwargs.get("op_name"))
+    if grad_fn is None:
+        return wrapped(*args, **kwargs)
+    op_name, inputs, attrs, outputs = _record_arguments(*args, **kwargs)
+    return _record(op_name, grad_fn, inputs, attrs, outputs)
+
+
+def _record_arguments(op_name, inputs, attrs, outputs):
+    return op_name, inputs, attrs, outputs
 
 
 class override_gradient(contextlib.ContextDecorator):  # noqa: N801 (used like a function)

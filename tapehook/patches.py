@@ -2,177 +2,272 @@
 
 - the registered "Conv2D" gradient -> conv2d.conv2d_grad (registry.py swaps it)
 - a gradient for tapehook's own TapehookBinaryConv2D op
-- gen_nn_ops.conv2d -> conv2d.conv2d (binary forward for marked filters)
-- gen_math_ops.mat_mul / batch_mat_mul_v2 / v3 and
-  gen_nn_ops.depthwise_conv2d_native -> dense_depthwise (binary Dense and
-  DepthwiseConv2D for marked kernels)
-- nn_ops.convolution_internal: a dilated conv with a marked filter goes straight
-  to Conv2D (the kernels handle dilation natively) instead of SpaceToBatchND,
-  whose zero padding would otherwise be binarized to +1
-- variable reads, Identity, Cast and ExpandDims tag their output with the
-  variable it holds, so a filter read in Python still leads to its marks
-- execute.record_gradient: op types under tapehook.override_gradient on this
-  thread are recorded with their scoped gradient (override.py)
-- Keras: Layer.__call__ keeps the layers being called on a per-thread stack
-  (models.py decides binarized models' layers there); Conv layers' get_config
-  / from_config carry the layer's BinarySpec, so .keras files load back binary
+- functions wrapped with wrapt, each a signature-exact pass-through
+  ``(wrapped, instance, args, kwargs)``: every calling form the original
+  accepts still works, introspection (``inspect.signature``, ``__wrapped__``,
+  ``__doc__``) is the original's, and a call without a marked operand goes to
+  the original unchanged:
+  - gen_nn_ops.conv2d, gen_nn_ops.depthwise_conv2d_native,
+    gen_math_ops.mat_mul / batch_mat_mul_v2 / v3 -> interpose.py (binary
+    Conv2D, DepthwiseConv2D and Dense for marked kernels)
+  - nn_ops.convolution_internal, nn_impl.depthwise_conv2d /
+    separable_conv2d (and their tf.compat.v1.nn names): a dilated conv with a
+    marked filter goes to an op that dilates natively instead of
+    SpaceToBatchND, whose zero padding would be binarized to +1
+  - variable reads, Identity, Cast and ExpandDims tag their output with the
+    variable it holds, so a filter read in Python still leads to its marks
+  - execute.record_gradient: op types under tapehook.override_gradient on
+    this thread are recorded with their scoped gradient (override.py)
+  - Keras: Layer.__call__ keeps the layers being called on a per-thread
+    stack (models.py decides binarized models' layers there); Conv layers'
+    get_config / from_config carry the layer's BinarySpec, so .keras files
+    load back binary
 
-``install`` is all or nothing: if any step fails, the earlier ones are undone.
+The functions on the path of every op (the gen_* functions, variable reads,
+Layer.__call__, the dilated-conv entry points) are wrapped only once the
+process first marks something (``marks.arm``): until then importing tapehook
+leaves them as TF's own objects, and unmarked code pays nothing
+(bench/overhead.py). ``install`` is all or nothing: if any step fails, the
+earlier ones are undone; ``uninstall`` puts back the original objects.
 """
 
 import functools
+import inspect
 
 import tensorflow as tf
+import wrapt
 
-from tapehook import compat, conv2d, dense_depthwise, marks, models, override, registry
-from tapehook.compat import (gen_array_ops, gen_math_ops, gen_nn_ops, nn_ops,
+from tapehook import compat, conv2d, interpose, marks, models, override, registry
+from tapehook.compat import (gen_array_ops, gen_math_ops, gen_nn_ops, nn_impl, nn_ops,
                              resource_variable_ops)
+from tapehook.errors import TapehookError
 
 _applied = []  # (owner, attribute name, original), in order of application
 _MISSING = object()  # the attribute was inherited, not set on the owner
 
 
-def _replace(owner, name, make_wrapper):
-    original = getattr(owner, name)
-    own = vars(owner).get(name, _MISSING) if isinstance(owner, type) else original
-    setattr(owner, name, functools.wraps(original)(make_wrapper(original)))
+def _wrap(owner, name, wrapper):
+    """Replaces ``owner.name`` by a wrapt FunctionWrapper; returns the original.
+
+    On a class the raw descriptor (function, classmethod) is wrapped, found
+    along the MRO, so an inherited method is wrapped for ``owner`` alone.
+    """
+    if isinstance(owner, type):
+        raw = next(vars(c)[name] for c in owner.__mro__ if name in vars(c))
+        own = vars(owner).get(name, _MISSING)
+    else:
+        raw = own = getattr(owner, name)
+    setattr(owner, name, wrapt.FunctionWrapper(raw, wrapper))
     _applied.append((owner, name, own))
-    return original
+    return raw
 
 
-def _tagging_read(original):
-    def read(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        if marks.scope_active() or marks.binary_spec_of(self) is not None:
-            marks.tag(result, self)
-        return result
-    return read
+@functools.cache
+def _signature(function):
+    return inspect.signature(function)
 
 
-def _tag_passing(original):
-    """Wraps an op whose output holds the same values as its first input."""
-    def op(value, *args, **kwargs):
-        result = original(value, *args, **kwargs)
-        source = marks.source_variable(value)
+def _bind(wrapped, args, kwargs):
+    """The call's arguments by name (defaults left to the callee), or None
+    when they do not bind, so that the original raises its own error."""
+    try:
+        return dict(_signature(wrapped).bind(*args, **kwargs).arguments)
+    except TypeError:
+        return None
+
+
+def _operand(args, kwargs, index, name):
+    return args[index] if len(args) > index else kwargs.get(name)
+
+
+def _on_marked_operand(index, name, binary, mark=True, left=None):
+    """Wrapper: calls with a marked operand ``name`` (positional ``index``) go
+    to ``binary(spec, **arguments)``; a None from it means "TF's own function
+    runs". ``left``: (index, name) of an operand that must not be marked."""
+    def wrapper(wrapped, instance, args, kwargs):
+        spec = marks.spec_for_use(_operand(args, kwargs, index, name), mark=mark)
+        if spec is None:
+            if left is not None and marks.binary_spec_of(
+                    _operand(args, kwargs, *left)) is not None:
+                raise TapehookError(
+                    "a marked binary kernel is the left operand of a MatMul; binary "
+                    "Dense supports x @ W with the marked W on the right")
+            return wrapped(*args, **kwargs)
+        arguments = _bind(wrapped, args, kwargs)
+        if arguments is None:
+            return wrapped(*args, **kwargs)
+        result = binary(spec, **arguments)
+        return wrapped(*args, **kwargs) if result is None else result
+    return wrapper
+
+
+def _tagging_read(wrapped, instance, args, kwargs):
+    """A variable read whose result leads back to the variable when it matters."""
+    result = wrapped(*args, **kwargs)
+    if marks.read_is_tagged(instance):
+        marks.tag(result, instance)
+    return result
+
+
+def _tag_passing(name):
+    """Wrapper of an op whose output holds the same values as its input ``name``."""
+    def wrapper(wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        source = marks.source_variable(_operand(args, kwargs, 0, name))
         if source is not None:
             marks.tag(result, source)
         return result
-    return op
+    return wrapper
 
 
-def _dilated_to_conv2d(original):
-    def convolution_internal(input, filters, strides=None, padding="VALID",  # noqa: A002
-                             data_format=None, dilations=None, name=None,
-                             call_from_convolution=True, num_spatial_dims=None):
-        dilated = dilations is not None and any(
-            d != 1 for d in tf.nest.flatten(dilations))
-        if (dilated and isinstance(padding, str) and filters.shape.rank == 4
-                and data_format in (None, "NHWC")
-                and marks.spec_for_use(filters, mark=False) is not None):
-            return nn_ops.conv2d_v2(input, filters, strides=strides or 1,
-                                    padding=padding, data_format="NHWC",
-                                    dilations=dilations, name=name)
-        return original(input, filters, strides=strides, padding=padding,
-                        data_format=data_format, dilations=dilations, name=name,
-                        call_from_convolution=call_from_convolution,
-                        num_spatial_dims=num_spatial_dims)
-    return convolution_internal
-
-
-def _tracked_layer_call(original):
+def _tracked_layer_call(wrapped, instance, args, kwargs):
     """Keras Layer.__call__ with the layer on tapehook's call stack (models.py)."""
-    def __call__(self, *args, **kwargs):
-        stack = models.layer_stack()
-        stack.append(self)
-        try:
-            models.before_layer_call(self)
-            outputs = original(self, *args, **kwargs)
-            models.after_layer_call(self, outputs)
-            return outputs
-        finally:
-            stack.pop()
-    return __call__
+    stack = models.layer_stack()
+    stack.append(instance)
+    try:
+        models.before_layer_call(instance)
+        outputs = wrapped(*args, **kwargs)
+        models.after_layer_call(instance, outputs)
+        return outputs
+    finally:
+        stack.pop()
 
 
-def _config_with_spec(original):
-    def get_config(self):
-        config = original(self)
-        spec = models.layer_config_spec(self)
-        if spec is not None:
-            config[models.CONFIG_KEY] = models.spec_to_config(spec)
-        return config
-    return get_config
+def _config_with_spec(wrapped, instance, args, kwargs):
+    config = wrapped(*args, **kwargs)
+    spec = models.layer_config_spec(instance)
+    if spec is not None:
+        config[models.CONFIG_KEY] = models.spec_to_config(spec)
+    return config
 
 
-def _layer_from_config(original):
-    def from_config(cls, config):
-        config = dict(config)
-        saved = config.pop(models.CONFIG_KEY, None)
-        layer = original(cls, config)
-        if saved is not None:
-            models.restore_layer_spec(layer, saved)
-        return layer
-    return from_config
+def _layer_from_config(wrapped, instance, args, kwargs):
+    arguments = _bind(wrapped, args, kwargs)
+    if arguments is None or not isinstance(arguments.get("config"), dict) or (
+            models.CONFIG_KEY not in arguments["config"]):
+        return wrapped(*args, **kwargs)
+    config = dict(arguments.pop("config"))
+    saved = config.pop(models.CONFIG_KEY)
+    layer = wrapped(config, **arguments)
+    models.restore_layer_spec(layer, saved)
+    return layer
 
 
-def _install_keras() -> None:
+def _keras():
     try:
         import keras
     except ImportError:  # tapehook works without Keras
+        return None
+    return keras
+
+
+def _install_keras_config() -> None:
+    """Binarizable layers' get_config / from_config carry the spec: loading a
+    .keras file must find them before anything is marked."""
+    keras = _keras()
+    if keras is None:
         return
-    _replace(keras.Layer, "__call__", _tracked_layer_call)
     configured = {next(c for c in layer.__mro__ if "get_config" in vars(c))
                   for layer in models.binarizable_types()}
     for owner in sorted(configured, key=lambda c: c.__name__):
-        _replace(owner, "get_config", _config_with_spec)
-        own = vars(owner).get("from_config", _MISSING)
-        inherited = next(vars(c)["from_config"] for c in owner.__mro__
-                         if "from_config" in vars(c))
-        owner.from_config = classmethod(functools.wraps(inherited.__func__)(
-            _layer_from_config(inherited.__func__)))
-        _applied.append((owner, "from_config", own))
-    marks.layer_filter_hook[0] = models.spec_for_layer_filter
-    _applied.append((marks, "layer_filter_hook", _MISSING))
+        _wrap(owner, "get_config", _config_with_spec)
+        _wrap(owner, "from_config", _layer_from_config)
 
 
-def install() -> None:
-    """Applies every patch once (idempotent); undoes all on any failure."""
-    if _applied:
-        return
-    compat.check()  # before anything is patched
+def _wrap_with_v1_name(owner, name, wrapper):
+    """Wraps ``owner.name`` and tf.compat.v1.nn's export of the same function
+    (an alias bound at TF's import, which a module patch does not reach)."""
+    original = _wrap(owner, name, wrapper)
+    if getattr(tf.compat.v1.nn, name, None) is original:
+        _wrap(tf.compat.v1.nn, name, wrapper)
+
+
+def _install_hot() -> None:
+    """The wrappers on the path of every op, applied when the process is armed."""
+    conv2d.stock["conv2d"] = _wrap(gen_nn_ops, "conv2d", _on_marked_operand(
+        1, "filter", interpose.conv2d_call))
+    _wrap(nn_ops, "convolution_internal", _on_marked_operand(
+        1, "filters", interpose.convolution_internal, mark=False))
+    _wrap_with_v1_name(nn_impl, "depthwise_conv2d", _on_marked_operand(
+        1, "filter", interpose.depthwise_conv2d, mark=False))
+    _wrap_with_v1_name(nn_impl, "separable_conv2d", _on_marked_operand(
+        1, "depthwise_filter", interpose.separable_conv2d, mark=False))
+    _wrap(resource_variable_ops.BaseResourceVariable, "_read_variable_op", _tagging_read)
+    _wrap(gen_array_ops, "identity", _tag_passing("input"))
+    _wrap(gen_array_ops, "expand_dims", _tag_passing("input"))
+    _wrap(gen_math_ops, "cast", _tag_passing("x"))
+    _wrap(gen_math_ops, "mat_mul", _on_marked_operand(
+        1, "b", interpose.mat_mul, left=(0, "a")))
+    for version in ("batch_mat_mul_v2", "batch_mat_mul_v3"):
+        _wrap(gen_math_ops, version, _on_marked_operand(1, "y", interpose.batch_mat_mul))
+    _wrap(gen_nn_ops, "depthwise_conv2d_native", _on_marked_operand(
+        1, "filter", interpose.depthwise_conv2d_native))
+    keras = _keras()
+    if keras is not None:
+        _wrap(keras.Layer, "__call__", _tracked_layer_call)
+        marks.layer_filter_hook[0] = models.spec_for_layer_filter
+        _applied.append((marks, "layer_filter_hook", _MISSING))
+
+
+_hot = [False]  # whether _install_hot's wrappers are applied
+
+
+def _arm_hook() -> None:
+    """marks.arm calls this when the process first marks something."""
+    if _applied and not _hot[0]:
+        _apply(_install_hot)
+        _hot[0] = True
+
+
+def _apply(step) -> None:
+    """Runs one install step; on failure undoes everything and re-raises."""
     try:
-        registry.register_gradient(conv2d.BINARY_OP, conv2d.binary_conv2d_op_grad)
-        conv2d.stock["conv2d_grad"] = registry.swap_gradient("Conv2D", conv2d.conv2d_grad)
-        _applied.append((registry, "Conv2D", conv2d.stock["conv2d_grad"]))
-        conv2d.stock["conv2d"] = _replace(gen_nn_ops, "conv2d", lambda _: conv2d.conv2d)
-        _replace(nn_ops, "convolution_internal", _dilated_to_conv2d)
-        _replace(resource_variable_ops.BaseResourceVariable, "_read_variable_op",
-                 _tagging_read)
-        _replace(gen_array_ops, "identity", _tag_passing)
-        _replace(gen_array_ops, "expand_dims", _tag_passing)
-        _replace(gen_math_ops, "cast", _tag_passing)
-        for owner, name in [(gen_math_ops, "mat_mul"), (gen_math_ops, "batch_mat_mul_v2"),
-                            (gen_math_ops, "batch_mat_mul_v3"),
-                            (gen_nn_ops, "depthwise_conv2d_native")]:
-            dense_depthwise.stock[name] = _replace(
-                owner, name, lambda _, name=name: getattr(dense_depthwise, name))
-        # Tapes in graphs record after op callbacks run; override.py picks the
-        # gradient of op types overridden on this thread at recording time.
-        _replace(compat.execute, "record_gradient", override._recording_with_overrides)
-        _install_keras()
+        step()
     except Exception:
         uninstall()
         raise
 
 
+def _install_base() -> None:
+    registry.register_gradient(conv2d.BINARY_OP, conv2d.binary_conv2d_op_grad)
+    conv2d.stock["conv2d_grad"] = registry.swap_gradient("Conv2D", conv2d.conv2d_grad)
+    _applied.append((registry, "Conv2D", conv2d.stock["conv2d_grad"]))
+    # Tapes in graphs record after op callbacks run; override.py picks the
+    # gradient of op types overridden on this thread at recording time.
+    _wrap(compat.execute, "record_gradient", override.recording_with_overrides)
+    _install_keras_config()
+    compat.hide_from_tracebacks(__file__, True)
+    _applied.append((compat, "hide_from_tracebacks", _MISSING))
+
+
+def install(hot=None) -> None:
+    """Applies every patch once (idempotent); undoes all on any failure.
+
+    ``hot``: apply the per-op wrappers now (default: if the process is
+    armed; otherwise marks.arm applies them when it is).
+    """
+    if _applied:
+        return
+    compat.check()  # before anything is patched
+    if _arm_hook not in marks._on_arm:
+        marks._on_arm.append(_arm_hook)
+    _apply(_install_base)
+    if marks.ARMED if hot is None else hot:
+        _apply(_install_hot)
+        _hot[0] = True
+
+
 def uninstall() -> None:
     """Restores TensorFlow exactly as it was before ``install``."""
+    _hot[0] = False
     while _applied:
         owner, name, original = _applied.pop()
         if owner is registry:
             registry.swap_gradient(name, original)
         elif owner is marks and name == "layer_filter_hook":
             marks.layer_filter_hook[0] = None
+        elif owner is compat:
+            compat.hide_from_tracebacks(__file__, False)
         elif original is _MISSING:
             delattr(owner, name)
         else:
@@ -181,3 +276,9 @@ def uninstall() -> None:
 
 def installed() -> bool:
     return bool(_applied)
+
+
+def patched_functions():
+    """(owner, attribute name) of every wrapped function, for tests and docs."""
+    return [(owner, name) for owner, name, _ in _applied
+            if owner not in (registry, marks, compat)]

@@ -16,6 +16,8 @@ swish_sign (beta = 5) beta (2 - beta t tanh(beta t / 2)) / (1 + cosh(beta t)).
 
 import tensorflow as tf
 
+from tapehook.spec import clip_threshold
+
 SWISH_BETA = 5.0
 
 
@@ -26,11 +28,17 @@ def sign(t):
 
 
 def estimator_grad(name, t, clip):
-    """e'(t), the pseudo-derivative of sign, computed in float32 or float64."""
+    """e'(t), the pseudo-derivative of sign, computed in float32 or float64.
+
+    The ste_sign mask is exactly 1{|t| <= clip} for t in its own dtype:
+    half / bfloat16 / float32 values are float32 numbers, compared with clip
+    rounded toward zero to float32 (spec.clip_threshold).
+    """
     wide = tf.float64 if t.dtype == tf.float64 else tf.float32
     t = tf.cast(t, wide)
     if name == "ste_sign":
-        return tf.cast(tf.abs(t) <= clip, wide)
+        threshold = clip_threshold(clip, float64=wide == tf.float64)
+        return tf.cast(tf.abs(t) <= tf.constant(threshold, wide), wide)
     if name == "approx_sign":
         return tf.where(tf.abs(t) <= 1, 2 - 2 * tf.abs(t), tf.zeros_like(t))
     if name == "swish_sign":
@@ -199,28 +207,54 @@ def alpha_depthwise(w, scale):
     return tf.ones([tf.shape(w)[2] * tf.shape(w)[3]], w.dtype)
 
 
+def _depthwise_float(x, w, strides, padding, explicit_paddings, dilations):
+    """Stock NHWC depthwise conv of float tensors, with any padding and dilation.
+
+    TF's CPU depthwise backprops ignore the dilations attr (they compute the
+    undilated gradient), so a dilated one goes through tf.nn.depthwise_conv2d
+    (SpaceToBatchND, which zero-pads the already binarized x_hat).
+    """
+    if padding == "EXPLICIT":
+        p = list(explicit_paddings)
+        x = tf.pad(x, [p[0:2], p[2:4], p[4:6], p[6:8]])
+        padding = "VALID"
+    if any(d != 1 for d in dilations):
+        return tf.nn.depthwise_conv2d(x, w, strides, padding, dilations=dilations[1:3])
+    return tf.raw_ops.DepthwiseConv2dNative(input=x, filter=w, strides=strides,
+                                            padding=padding, data_format="NHWC")
+
+
 def binary_depthwise_conv2d(x, w, spec, strides, padding, explicit_paddings=(),
                             dilations=(1, 1, 1, 1), on_backward=None):
     """Binary DepthwiseConv2dNative (NHWC): depthwise(x_hat, sign W) * alpha,
     alpha per output channel (c, m); same estimator masks as the conv."""
-    attrs = dict(strides=list(strides), padding=padding, data_format="NHWC",
-                 explicit_paddings=list(explicit_paddings or []), dilations=list(dilations))
+    strides, dilations = list(strides), list(dilations)
+    explicit_paddings = list(explicit_paddings or [])
+    dilated = any(d != 1 for d in dilations)
+    conv = (strides, padding, explicit_paddings, dilations)
 
     def forward(x, w):
-        y = tf.raw_ops.DepthwiseConv2dNative(input=binarize_input(x, spec), filter=sign(w),
-                                             **attrs)
+        y = _depthwise_float(binarize_input(x, spec), sign(w), *conv)
         return y * alpha_depthwise(w, spec.scale) if spec.scale else y
 
     def backward(x, w, dy):
         a = alpha_depthwise(w, spec.scale)
         dy_scaled = dy * a
-        dx = tf.raw_ops.DepthwiseConv2dNativeBackpropInput(
-            input_sizes=tf.shape(x), filter=sign(w), out_backprop=dy_scaled, **attrs)
+        x_hat, w_sign = binarize_input(x, spec), sign(w)
+        if dilated:
+            with tf.GradientTape() as tape:
+                tape.watch([x_hat, w_sign])
+                y = _depthwise_float(x_hat, w_sign, *conv)
+            dx, dw = tape.gradient(y, [x_hat, w_sign], output_gradients=dy_scaled)
+        else:
+            attrs = dict(strides=strides, padding=padding, data_format="NHWC",
+                         explicit_paddings=explicit_paddings)
+            dx = tf.raw_ops.DepthwiseConv2dNativeBackpropInput(
+                input_sizes=tf.shape(x), filter=w_sign, out_backprop=dy_scaled, **attrs)
+            dw = tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(
+                input=x_hat, filter_sizes=tf.shape(w), out_backprop=dy_scaled, **attrs)
         if spec.activation_estimator:
             dx = _masked(dx, spec.activation_estimator, x, spec.clip)
-        dw = tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(
-            input=binarize_input(x, spec), filter_sizes=tf.shape(w), out_backprop=dy_scaled,
-            **attrs)
         return dx, _masked(dw, spec.ste, w, spec.clip)
 
     return _custom_binary(forward, backward, x, w, on_backward)

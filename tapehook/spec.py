@@ -1,13 +1,41 @@
 """BinarySpec: what "binary" means for one marked filter (validated, immutable)."""
 
 import dataclasses
+import struct
 from typing import Optional, Union
+
+import numpy as np
 
 from tapehook.errors import TapehookError
 
 # Pseudo-derivatives of sign for the backward pass (math in docs/design.md).
 ESTIMATORS = ("ste_sign", "approx_sign", "swish_sign")
 SCALES = (None, "mean_abs")
+
+
+def clip_threshold(clip: float, float64: bool) -> float:
+    """The number ``|t| <= clip`` compares against, exact for t in its dtype.
+
+    float64 inputs use clip itself. Every half / bfloat16 / float32 value is a
+    float32 number, and for those |t| <= clip holds exactly when |t| <= the
+    largest float32 not above clip (rounding to nearest could widen the mask:
+    float32(0.1) = 0.10000000149).
+    """
+    if float64:
+        return float(clip)
+    narrow = np.float32(clip)
+    if float(narrow) > clip:
+        narrow = np.nextafter(narrow, np.float32(0))
+    return float(narrow)
+
+
+def float64_bits(value: float) -> int:
+    """The IEEE-754 bit pattern of a double, as a signed 64-bit int attr."""
+    return struct.unpack("<q", struct.pack("<d", float(value)))[0]
+
+
+def float64_from_bits(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", int(bits)))[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +85,13 @@ class BinarySpec:
             "scale": self.scale or "none",
             "weight_estimator": self.ste,
             "activation_estimator": self.activation_estimator or "none",
-            "clip": self.clip,
+            **self.clip_attrs(),
         }
+
+    def clip_attrs(self) -> dict:
+        """The clip as op attrs: float32 rounded toward zero, exact for half /
+        bfloat16 / float32 inputs (clip_threshold)."""
+        return {"clip": clip_threshold(self.clip, float64=False)}
 
     @classmethod
     def from_op_attrs(cls, get_attr) -> "BinarySpec":
