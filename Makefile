@@ -2,13 +2,15 @@
 # install tapehook with TensorFlow (CPU) into it and build the kernels.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# What clang-format checks: the C++ and CUDA sources, kernels and their tests.
+CC_SOURCES = $(shell find cc_kernels tests/cc -name '*.cc' -o -name '*.h' -o -name '*.cu' | sort)
 
-.PHONY: train test kernels clean
+.PHONY: train test test-fast kernels lint format clean
 
-$(VENV)/.installed: setup.py
+$(VENV)/.installed: pyproject.toml setup.py
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[cpu,test,examples]'
+	$(PY) -m pip install -q -e '.[cpu,test,examples,lint]'
 	touch $@
 
 kernels: $(VENV)/.installed
@@ -19,6 +21,27 @@ train: kernels
 
 test: kernels
 	TAPEHOOK_KERNELS=compiled $(PY) -m pytest -q tests
+
+# The inner loop: stop at the first failure, skip tests marked slow (pytest.ini).
+test-fast: kernels
+	TAPEHOOK_KERNELS=compiled $(PY) -m pytest -x -q -m "not slow" tests
+
+# Checks only; `make format` applies what these ask for. Also checks that
+# docs/performance.md and the README headline are what bench/results says.
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/clang-format --dry-run --Werror $(CC_SOURCES)
+	$(PY) bench/table.py --check
+
+# Applies the fixable lint fixes and both formatters (what is left, `make lint`
+# reports). clang-format runs twice: a braced list with /*name=*/ comments can
+# take it two passes to settle.
+format: $(VENV)/.installed
+	$(VENV)/bin/ruff check --fix --exit-zero .
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/clang-format -i $(CC_SOURCES)
+	$(VENV)/bin/clang-format -i $(CC_SOURCES)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -24,8 +24,23 @@ import time
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-FIELDS = ("batch", "in_h", "in_w", "in_c", "k_h", "k_w", "out_c", "out_h", "out_w",
-          "stride_h", "stride_w", "dil_h", "dil_w", "pad_top", "pad_left")
+FIELDS = (
+    "batch",
+    "in_h",
+    "in_w",
+    "in_c",
+    "k_h",
+    "k_w",
+    "out_c",
+    "out_h",
+    "out_w",
+    "stride_h",
+    "stride_w",
+    "dil_h",
+    "dil_w",
+    "pad_top",
+    "pad_left",
+)
 PADDING = {"SAME": 0, "VALID": 1, "EXPLICIT": 2}
 ESTIMATOR = {"none": 0, "ste_sign": 1, "approx_sign": 2, "swish_sign": 3}
 SCALE = {"none": 0, "mean_abs": 1}
@@ -65,7 +80,8 @@ BENCH_SHAPES = [  # (batch, h, w, in_c, k, out_c)
 def load_cuda_build():
     # By path: importing the tapehook package would import TensorFlow.
     spec = importlib.util.spec_from_file_location(
-        "tapehook_cuda_build", ROOT / "tapehook" / "cuda_build.py")
+        "tapehook_cuda_build", ROOT / "tapehook" / "cuda_build.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -84,13 +100,22 @@ class Harness:
         self.lib = lib = ctypes.CDLL(str(lib_path))
         p, i, f, shape = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.POINTER(ConvShape)
         for name, args in {
-            "th_geometry": [i, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, shape],
+            "th_geometry": [
+                i,
+                ctypes.c_int64,
+                ctypes.c_int64,
+                ctypes.c_int64,
+                ctypes.c_int64,
+                shape,
+            ],
             "th_cuda_forward": [i, shape, p, p, i, i, p, p, p],
             "th_cuda_backprop_input": [i, shape, p, p, p, i, f, i, p, p, p],
             "th_cuda_backprop_filter": [i, shape, p, p, p, i, i, f, i, p, p, p],
             "th_malloc": [ctypes.c_size_t, ctypes.POINTER(p)],
-            "th_free": [p], "th_to_device": [p, p, ctypes.c_size_t],
-            "th_to_host": [p, p, ctypes.c_size_t], "th_synchronize": [],
+            "th_free": [p],
+            "th_to_device": [p, p, ctypes.c_size_t],
+            "th_to_host": [p, p, ctypes.c_size_t],
+            "th_synchronize": [],
             "th_device_name": [],
         }.items():
             getattr(lib, name).argtypes = args
@@ -109,10 +134,23 @@ class Harness:
             raise RuntimeError(f"{what}: {err.decode()}")
 
     def shape(self, batch, h, w, in_c, k, out_c, stride, dil, padding, pads):
-        s = ConvShape(batch=batch, in_h=h, in_w=w, in_c=in_c, k_h=k, k_w=k, out_c=out_c,
-                      stride_h=stride, stride_w=stride, dil_h=dil, dil_w=dil)
-        self.check(self.lib.th_geometry(PADDING[padding], *(pads or (0, 0, 0, 0)),
-                                        ctypes.byref(s)), "geometry")
+        s = ConvShape(
+            batch=batch,
+            in_h=h,
+            in_w=w,
+            in_c=in_c,
+            k_h=k,
+            k_w=k,
+            out_c=out_c,
+            stride_h=stride,
+            stride_w=stride,
+            dil_h=dil,
+            dil_w=dil,
+        )
+        self.check(
+            self.lib.th_geometry(PADDING[padding], *(pads or (0, 0, 0, 0)), ctypes.byref(s)),
+            "geometry",
+        )
         return s
 
     def device(self, array):
@@ -130,8 +168,9 @@ class Harness:
 def max_error(got, want):
     """max |got - want| / (1 + max |want|), as tests/conftest.py."""
     got, want = got.astype(np.float64), want.astype(np.float64)
-    return float(np.max(np.abs(got - want), initial=0.0) /
-                 (1.0 + np.max(np.abs(want), initial=0.0)))
+    return float(
+        np.max(np.abs(got - want), initial=0.0) / (1.0 + np.max(np.abs(want), initial=0.0))
+    )
 
 
 def check_case(h, case, spec, dtype_name, rng):
@@ -148,36 +187,68 @@ def check_case(h, case, spec, dtype_name, rng):
     xf, wf, dyf = (np.ascontiguousarray(a, np.float32) for a in (x, w, dy))
     ref_y, ref_dx, ref_dw = np.empty_like(dyf), np.empty_like(xf), np.empty_like(wf)
     act_code = ESTIMATOR[act] if binary else 0
-    h.lib.th_cpu_forward(s, xf.ctypes.data, wf.ctypes.data, binary, SCALE[scale],
-                         ref_y.ctypes.data)
-    h.lib.th_cpu_backprop_input(s, xf.ctypes.data, wf.ctypes.data, dyf.ctypes.data, act_code,
-                                clip, SCALE[scale], ref_dx.ctypes.data)
-    h.lib.th_cpu_backprop_filter(s, xf.ctypes.data, wf.ctypes.data, dyf.ctypes.data, act_code,
-                                 ESTIMATOR[west], clip, SCALE[scale], ref_dw.ctypes.data)
+    h.lib.th_cpu_forward(s, xf.ctypes.data, wf.ctypes.data, binary, SCALE[scale], ref_y.ctypes.data)
+    h.lib.th_cpu_backprop_input(
+        s,
+        xf.ctypes.data,
+        wf.ctypes.data,
+        dyf.ctypes.data,
+        act_code,
+        clip,
+        SCALE[scale],
+        ref_dx.ctypes.data,
+    )
+    h.lib.th_cpu_backprop_filter(
+        s,
+        xf.ctypes.data,
+        wf.ctypes.data,
+        dyf.ctypes.data,
+        act_code,
+        ESTIMATOR[west],
+        clip,
+        SCALE[scale],
+        ref_dw.ctypes.data,
+    )
 
-    bufs = [h.device(a) for a in (x, w, dy, np.zeros_like(dy), np.zeros_like(x),
-                                  np.zeros_like(w))]
+    bufs = [h.device(a) for a in (x, w, dy, np.zeros_like(dy), np.zeros_like(x), np.zeros_like(w))]
     x_d, w_d, dy_d, y_d, dx_d, dw_d = bufs
     errors = {}
     try:
-        for op, out_ptr, like, ref in ((0, y_d, dy, ref_y), (1, dx_d, x, ref_dx),
-                                       (2, dw_d, w, ref_dw)):
+        for op, out_ptr, like, ref in (
+            (0, y_d, dy, ref_y),
+            (1, dx_d, x, ref_dx),
+            (2, dw_d, w, ref_dw),
+        ):
             ws = h.device(np.zeros(h.lib.th_workspace_bytes(op, s, binary), np.uint8))
             try:
                 if op == 0:
-                    err = h.lib.th_cuda_forward(code, s, x_d, w_d, binary, SCALE[scale],
-                                                out_ptr, ws, None)
+                    err = h.lib.th_cuda_forward(
+                        code, s, x_d, w_d, binary, SCALE[scale], out_ptr, ws, None
+                    )
                 elif op == 1:
-                    err = h.lib.th_cuda_backprop_input(code, s, x_d, w_d, dy_d, act_code, clip,
-                                                       SCALE[scale], out_ptr, ws, None)
+                    err = h.lib.th_cuda_backprop_input(
+                        code, s, x_d, w_d, dy_d, act_code, clip, SCALE[scale], out_ptr, ws, None
+                    )
                 else:
-                    err = h.lib.th_cuda_backprop_filter(code, s, x_d, w_d, dy_d, act_code,
-                                                        ESTIMATOR[west], clip, SCALE[scale],
-                                                        out_ptr, ws, None)
+                    err = h.lib.th_cuda_backprop_filter(
+                        code,
+                        s,
+                        x_d,
+                        w_d,
+                        dy_d,
+                        act_code,
+                        ESTIMATOR[west],
+                        clip,
+                        SCALE[scale],
+                        out_ptr,
+                        ws,
+                        None,
+                    )
                 h.check(err, name)
                 h.check(h.lib.th_synchronize(), name)
                 errors[("forward", "backprop_input", "backprop_filter")[op]] = max_error(
-                    h.host(out_ptr, like), ref)
+                    h.host(out_ptr, like), ref
+                )
             finally:
                 h.lib.th_free(ws)
     finally:
@@ -189,8 +260,10 @@ def check_case(h, case, spec, dtype_name, rng):
 def run_correctness(h):
     rng = np.random.default_rng(0)
     rows, passed = [], True
-    print(f"{'case':24} {'dtype':8} {'spec':32} {'forward':>9} {'bp_input':>9} "
-          f"{'bp_filter':>9}  result")
+    print(
+        f"{'case':24} {'dtype':8} {'spec':32} {'forward':>9} {'bp_input':>9} "
+        f"{'bp_filter':>9}  result"
+    )
     for index, case in enumerate(CASES):
         for offset, dtype_name in enumerate(DTYPES):
             spec = SPECS[(index + 2 * offset) % len(SPECS)]
@@ -198,12 +271,23 @@ def run_correctness(h):
             ok = all(e <= tol for e in errors.values())
             passed &= ok
             spec_name = f"{'bin' if spec[0] else 'float'} {spec[1]}/{spec[2]} {spec[3]}"
-            print(f"{case[0]:24} {dtype_name:8} {spec_name:32} "
-                  + " ".join(f"{errors[k]:9.2e}" for k in
-                             ("forward", "backprop_input", "backprop_filter"))
-                  + f"  {'PASS' if ok else 'FAIL'}")
-            rows.append({"case": case[0], "dtype": dtype_name, "spec": spec_name,
-                         "errors": errors, "tolerance": tol, "passed": ok})
+            print(
+                f"{case[0]:24} {dtype_name:8} {spec_name:32} "
+                + " ".join(
+                    f"{errors[k]:9.2e}" for k in ("forward", "backprop_input", "backprop_filter")
+                )
+                + f"  {'PASS' if ok else 'FAIL'}"
+            )
+            rows.append(
+                {
+                    "case": case[0],
+                    "dtype": dtype_name,
+                    "spec": spec_name,
+                    "errors": errors,
+                    "tolerance": tol,
+                    "passed": ok,
+                }
+            )
     print(f"correctness: {sum(r['passed'] for r in rows)}/{len(rows)} passed")
     return rows, passed
 
@@ -232,31 +316,39 @@ def run_bench(h):
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
     for batch, size, _, in_c, k, out_c in BENCH_SHAPES:
         s = h.shape(batch, size, size, in_c, k, out_c, 1, 1, "SAME", None)
-        row = {"shape": f"N{batch} {size}x{size} {in_c}->{out_c} k{k}",
-               "tf32_allowed": torch.backends.cudnn.allow_tf32}
+        row = {
+            "shape": f"N{batch} {size}x{size} {in_c}->{out_c} k{k}",
+            "tf32_allowed": torch.backends.cudnn.allow_tf32,
+        }
         for dtype_name, (code, _, _) in DTYPES.items():
             tdt = getattr(torch, dtype_name)
             x = torch.randn(batch, size, size, in_c, device="cuda", dtype=tdt)
             w = torch.randn(k, k, in_c, out_c, device="cuda", dtype=tdt)
             dy = torch.randn(batch, size, size, out_c, device="cuda", dtype=tdt)
             y, dx, dw = torch.empty_like(dy), torch.empty_like(x), torch.empty_like(w)
-            ws = torch.empty(max(h.lib.th_workspace_bytes(op, s, 1) for op in range(3)),
-                             dtype=torch.uint8, device="cuda")
+            ws = torch.empty(
+                max(h.lib.th_workspace_bytes(op, s, 1) for op in range(3)),
+                dtype=torch.uint8,
+                device="cuda",
+            )
             ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
 
             def ours(op, binary):
                 def call():
                     if op == 0:
-                        err = h.lib.th_cuda_forward(code, s, ptr(x), ptr(w), binary, 1, ptr(y),
-                                                    ptr(ws), stream)
+                        err = h.lib.th_cuda_forward(
+                            code, s, ptr(x), ptr(w), binary, 1, ptr(y), ptr(ws), stream
+                        )
                     elif op == 1:
-                        err = h.lib.th_cuda_backprop_input(code, s, ptr(x), ptr(w), ptr(dy), 0,
-                                                           1.0, 1, ptr(dx), ptr(ws), stream)
+                        err = h.lib.th_cuda_backprop_input(
+                            code, s, ptr(x), ptr(w), ptr(dy), 0, 1.0, 1, ptr(dx), ptr(ws), stream
+                        )
                     else:
-                        err = h.lib.th_cuda_backprop_filter(code, s, ptr(x), ptr(w), ptr(dy),
-                                                            0, 1, 1.0, 1, ptr(dw), ptr(ws),
-                                                            stream)
+                        err = h.lib.th_cuda_backprop_filter(
+                            code, s, ptr(x), ptr(w), ptr(dy), 0, 1, 1.0, 1, ptr(dw), ptr(ws), stream
+                        )
                     h.check(err, "bench")
+
                 return call
 
             # cuDNN on the same NHWC memory (channels_last NCHW views).
@@ -270,36 +362,42 @@ def run_bench(h):
                 "backprop_input": time_ms(torch, ours(1, 0)),
                 "backprop_filter": time_ms(torch, ours(2, 0)),
                 "cudnn_forward": time_ms(torch, lambda: F.conv2d(xc, wc, padding=pad)),
-                "cudnn_backprop_input": time_ms(torch, lambda: torch.nn.grad.conv2d_input(
-                    xc.shape, wc, dyc, padding=pad)),
-                "cudnn_backprop_filter": time_ms(torch, lambda: torch.nn.grad.conv2d_weight(
-                    xc, wc.shape, dyc, padding=pad)),
+                "cudnn_backprop_input": time_ms(
+                    torch, lambda: torch.nn.grad.conv2d_input(xc.shape, wc, dyc, padding=pad)
+                ),
+                "cudnn_backprop_filter": time_ms(
+                    torch, lambda: torch.nn.grad.conv2d_weight(xc, wc.shape, dyc, padding=pad)
+                ),
             }
             row[dtype_name] = {
                 "ms": timings,
-                "speedup_binary_forward_vs_cudnn":
-                    timings["cudnn_forward"] / timings["binary_forward"],
-                "speedup_backprop_input_vs_cudnn":
-                    timings["cudnn_backprop_input"] / timings["backprop_input"],
-                "speedup_backprop_filter_vs_cudnn":
-                    timings["cudnn_backprop_filter"] / timings["backprop_filter"],
+                "speedup_binary_forward_vs_cudnn": timings["cudnn_forward"]
+                / timings["binary_forward"],
+                "speedup_backprop_input_vs_cudnn": timings["cudnn_backprop_input"]
+                / timings["backprop_input"],
+                "speedup_backprop_filter_vs_cudnn": timings["cudnn_backprop_filter"]
+                / timings["backprop_filter"],
             }
             r = row[dtype_name]
-            print(f"{row['shape']:26} {dtype_name:8} binary fwd {timings['binary_forward']:7.3f} ms"
-                  f" vs cuDNN {timings['cudnn_forward']:7.3f} ms"
-                  f" ({r['speedup_binary_forward_vs_cudnn']:5.2f}x, target >= 5x);"
-                  f" bp_input {r['speedup_backprop_input_vs_cudnn']:5.2f}x;"
-                  f" bp_filter {r['speedup_backprop_filter_vs_cudnn']:5.2f}x")
+            print(
+                f"{row['shape']:26} {dtype_name:8} binary fwd {timings['binary_forward']:7.3f} ms"
+                f" vs cuDNN {timings['cudnn_forward']:7.3f} ms"
+                f" ({r['speedup_binary_forward_vs_cudnn']:5.2f}x, target >= 5x);"
+                f" bp_input {r['speedup_backprop_input_vs_cudnn']:5.2f}x;"
+                f" bp_filter {r['speedup_backprop_filter_vs_cudnn']:5.2f}x"
+            )
         rows.append(row)
     return rows
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--archs", nargs="+", default=["90"],
-                        help="SASS archs to build for (default: 90, the H200)")
-    parser.add_argument("--build-dir",
-                        default=str(pathlib.Path(tempfile.gettempdir()) / "tapehook-cuda-harness"))
+    parser.add_argument(
+        "--archs", nargs="+", default=["90"], help="SASS archs to build for (default: 90, the H200)"
+    )
+    parser.add_argument(
+        "--build-dir", default=str(pathlib.Path(tempfile.gettempdir()) / "tapehook-cuda-harness")
+    )
     parser.add_argument("--out", help="JSON results (default bench/results/cuda-<gpu>.json)")
     parser.add_argument("--skip-bench", action="store_true")
     args = parser.parse_args()
@@ -309,13 +407,30 @@ def main():
     print(f"GPU: {gpu}")
     correctness, passed = run_correctness(h)
     bench = [] if args.skip_bench else run_bench(h)
-    out = pathlib.Path(args.out) if args.out else (
-        ROOT / "bench" / "results" / f"cuda-{re.sub(r'[^A-Za-z0-9]+', '-', gpu).strip('-')}.json")
+    out = (
+        pathlib.Path(args.out)
+        if args.out
+        else (
+            ROOT
+            / "bench"
+            / "results"
+            / f"cuda-{re.sub(r'[^A-Za-z0-9]+', '-', gpu).strip('-')}.json"
+        )
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "gpu": gpu, "host": platform.node(), "archs": args.archs,
-        "correctness_passed": passed, "correctness": correctness, "bench": bench,
-    }, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "gpu": gpu,
+                "host": platform.node(),
+                "archs": args.archs,
+                "correctness_passed": passed,
+                "correctness": correctness,
+                "bench": bench,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {out}")
     return 0 if passed else 1
 

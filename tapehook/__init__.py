@@ -1,12 +1,16 @@
-"""tapehook: train binary-weight (and binary-activation) convnets in TF 2.
+"""tapehook: train binary-weight (and binary-activation) networks in TF 2.
 
-Marks on tf.Variables say which Conv2D filters are binary; TensorFlow's
-registered Conv2D gradient is replaced once, at import, by one that reads
-those marks and dispatches to tapehook's binary kernels. See docs/design.md.
+Marks on variables say which kernels (Conv1D, Conv2D, DepthwiseConv2D, Dense)
+are binary; TensorFlow's registered Conv2D gradient is replaced once, at
+import, by one that reads those marks and dispatches to tapehook's binary
+kernels. See docs/design.md.
 """
 
+from tapehook import optimizers
 from tapehook.callbacks import FlipRatio
-from tapehook.conv2d import dispatch_counts, reset_dispatch_counts
+from tapehook.constraints import WeightClip
+from tapehook.deploy import export_savedmodel, export_tflite
+from tapehook.counts import dispatch_counts, reset_dispatch_counts
 from tapehook.errors import TapehookError
 from tapehook.export import export_bitpacked, load_bitpacked
 from tapehook.kernels import kernel_info
@@ -30,6 +34,8 @@ __all__ = [
     "binary_spec_of",
     "dispatch_counts",
     "export_bitpacked",
+    "export_savedmodel",
+    "export_tflite",
     "kernel_info",
     "load_bitpacked",
     "ModelSummary",
@@ -38,6 +44,8 @@ __all__ = [
     "reset_dispatch_counts",
     "summary",
     "unmark",
+    "WeightClip",
+    "optimizers",
 ]
 
 _install()

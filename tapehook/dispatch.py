@@ -1,9 +1,18 @@
-"""Which implementation runs each part of a binary conv: tapehook's kernels or
-stock TF convolutions on binarized operands (tapehook/reference.py's ops).
+"""Which implementation runs each part of a binary conv: one of tapehook's
+kernels (and which: its plan) or stock TF convolutions on binarized operands
+(tapehook/reference.py's ops).
+
+The choice is made here and nowhere else, once per conv: at trace time in
+graphs, per call in eager. ``choose`` is the whole rule, a pure function of
+the conv and of what the kernels can run on this CPU (the C++ capability
+query, ``kernels.conv_capabilities``); it returns ``STOCK`` or a plan, an
+implementation name that travels to the kernel as the op's ``plan`` attr
+(cc_kernels/core/plan.h), which runs it without deciding again.
 
 ``TAPEHOOK_DISPATCH`` picks the policy, read at each decision (trace time in
-graphs): ``auto`` (default), ``kernels`` (always tapehook's kernels; what the
-test suite checks against the reference) or ``stock``.
+graphs): ``auto`` (default), ``kernels`` (always tapehook's kernels, on the
+best implementation the CPU can run; what the test suite checks against the
+reference) or ``stock``.
 
 ``auto`` follows bench/results/latest.json, measured in one run against stock
 TF with oneDNN on and off (README, "Speed"):
@@ -11,8 +20,8 @@ TF with oneDNN on and off (README, "Speed"):
 - forward with binary activations: tapehook's bitpacked xor/popcount kernel,
   faster than stock on every measured shape;
 - convolutions with a float operand (the weight-only forward, both
-  backprops) on a CPU with Intel AMX (``kernels.amx_usable()``), stride 1,
-  float32 / float16 / bfloat16, SAME or VALID padding and at least
+  backprops) where the AMX kernels can run them (the capability query: Intel
+  AMX, stride 1, not float64), SAME or VALID padding and at least
   AMX_MIN_PIXELS input pixels (batch x H x W), dW also at least
   AMX_MIN_TAPS kernel taps unless the input was kept as packed bits:
   tapehook's kernels, which run them as exact bf16x3 AMX GEMMs
@@ -35,6 +44,8 @@ from tapehook.errors import TapehookError
 
 KERNELS, STOCK = "kernels", "stock"
 POLICIES = ("auto", KERNELS, STOCK)
+# Implementations of the kernels, best first (the ops' plan attr values).
+PREFERENCE = ("amx", "avx512", "avx2", "portable")
 
 
 def policy() -> str:
@@ -68,57 +79,156 @@ def _known(shape, dims):
     return len(dims_list) == 4 and None not in dims_list[:dims]
 
 
-def _amx_fits(attrs, dtype, x_shape=None, w_shape=None, min_taps=1) -> bool:
-    """Whether the AMX kernels take this conv (mirrors amx::Supports*) and it
-    is big enough for them to beat stock. Unknown dims count as large."""
-    from tapehook import kernels  # kernels imports TF; keep this module light
+def _best(capabilities) -> str:
+    for impl in PREFERENCE:
+        if impl in capabilities:
+            return impl
+    return STOCK  # no kernels loaded
 
-    if attrs is None or dtype is None:
+
+def _amx_pays(capabilities, attrs, x_shape, w_shape, min_taps) -> bool:
+    """Whether the AMX kernels can run this conv and it is big enough for them
+    to beat stock. Unknown dims count as large."""
+    # EXPLICIT padding was never measured against stock: it stays there.
+    if "amx" not in capabilities or attrs["padding"] not in ("SAME", "VALID"):
         return False
-    if _known(x_shape, 3) and (int(x_shape[0]) * int(x_shape[1]) * int(x_shape[2])
-                               < AMX_MIN_PIXELS):
+    if _known(x_shape, 3) and (
+        int(x_shape[0]) * int(x_shape[1]) * int(x_shape[2]) < AMX_MIN_PIXELS
+    ):
         return False
-    if _known(w_shape, 2) and int(w_shape[0]) * int(w_shape[1]) < min_taps:
-        return False
-    return (all(s == 1 for s in attrs["strides"])
-            and attrs["padding"] in ("SAME", "VALID")
-            and dtype in ("float32", "float16", "bfloat16")
-            and kernels.amx_usable())
+    return not (_known(w_shape, 2) and int(w_shape[0]) * int(w_shape[1]) < min_taps)
 
 
-def forward_path(spec, attrs=None, dtype=None, x_shape=None, w_shape=None) -> str:
-    """attrs: the conv's attrs (strides, padding, dilations, ...); dtype: the
-    input's dtype name; x_shape / w_shape: static shapes (NHWC, HWIO)."""
-    chosen = policy()
-    if chosen != "auto":
-        return chosen
-    if spec.activation_estimator or _amx_fits(attrs, dtype, x_shape, w_shape):
-        return KERNELS
-    return STOCK
+def choose(
+    op,
+    *,
+    policy,
+    capabilities,
+    attrs,
+    x_shape=None,
+    w_shape=None,
+    binary_input=False,
+    packed=False,
+    onednn=False,
+    spec_supported=True,
+) -> str:
+    """The implementation of one part of a binary conv: ``STOCK`` or a plan
+    (a name in ``capabilities``). A pure function, the whole dispatch rule.
 
-
-def backprop_path(attrs, dtype=None, x_shape=None, w_shape=None,
-                  filter_grad=False, binary_input=True, packed=False) -> str:
-    """Path of one backprop: filter_grad selects dW (else dX); binary_input
-    says whether x enters it as sign(x); packed, whether the backward kept
-    packed input bits (which stock ops need unpacked first)."""
-    chosen = policy()
-    if chosen != "auto":
-        return chosen
+    op: "forward", "backprop_input" or "backprop_filter"; policy: a
+    ``POLICIES`` value; capabilities: the implementations the kernels can run
+    this conv with here (``kernels.conv_capabilities``); attrs: the conv's
+    attrs; x_shape / w_shape: static shapes (NHWC, HWIO), unknown dims
+    allowed; binary_input: x enters as sign(x); packed: the backward kept x
+    as packed bits (which stock ops need unpacked first); onednn: TF runs
+    oneDNN convolutions; spec_supported: the kernels compute this spec's math
+    (``kernels_take``), whatever the policy.
+    """
+    if policy == STOCK or not capabilities or not spec_supported:
+        return STOCK
+    best = _best(capabilities)
+    if policy == KERNELS:
+        return best
+    if op == "forward":
+        if binary_input or _amx_pays(capabilities, attrs, x_shape, w_shape, 1):
+            return best
+        return STOCK
+    filter_grad = op == "backprop_filter"
     if any(d != 1 for d in attrs["dilations"]):
-        return KERNELS
+        return best  # stock CPU backprops reject dilation
     # A 1x1 dW runs about as fast as stock on AMX: take it only when the
     # kernels save unpacking the input bits. A 1x1 dX wins (1.2x).
     min_taps = 1 if packed or not filter_grad else AMX_MIN_TAPS
-    if not _amx_fits(attrs, dtype, x_shape, w_shape, min_taps):
+    if not _amx_pays(capabilities, attrs, x_shape, w_shape, min_taps):
         return STOCK
-    if (filter_grad and binary_input and not packed and _known(x_shape, 3)
-            and int(x_shape[1]) * int(x_shape[2]) < DW_MIN_IMAGE_PIXELS):
+    if (
+        filter_grad
+        and binary_input
+        and not packed
+        and _known(x_shape, 3)
+        and int(x_shape[1]) * int(x_shape[2]) < DW_MIN_IMAGE_PIXELS
+    ):
         return STOCK
     # dW of a weight-only conv is float x float: no exact operand, so AMX needs
     # six bf16 products per term, slower than oneDNN's backprop-filter.
-    if filter_grad and not binary_input:
-        from tapehook import compat
+    if filter_grad and not binary_input and onednn:
+        return STOCK
+    return best
 
-        return STOCK if compat.onednn_enabled() else KERNELS
-    return KERNELS
+
+def kernels_take(spec) -> bool:
+    """Whether tapehook's kernels compute this spec's math. A float kernel
+    (weights=False) has no binary kernel to run on, and the kernels' swish_sign
+    has beta 5: such convs run stock convolutions on the binarized operands
+    (reference.py) under every policy. pad_value needs nothing: conv2d.py runs
+    a one-padded conv as a VALID conv of the padded input."""
+    if spec is None:
+        return True
+    swish = "swish_sign" in (spec.ste, spec.activation_estimator)
+    return spec.weights and (spec.beta == 5.0 or not swish)
+
+
+def _choose_here(op, attrs, dtype, x_shape, w_shape, binary_input, packed, spec=None):
+    """``choose`` with this process's policy, capabilities and TF build."""
+    import tapehook.compat as compat  # both import TF: not at module import
+    import tapehook.kernels as kernels
+
+    chosen = policy()
+    capabilities = frozenset()
+    supported = kernels_take(spec)
+    if chosen != STOCK and supported and attrs is not None and dtype is not None:
+        capabilities = kernels.conv_capabilities(
+            op, attrs, dtype, x_shape, w_shape, binary_input=binary_input, packed=packed
+        )
+    return choose(
+        op,
+        policy=chosen,
+        capabilities=capabilities,
+        attrs=attrs,
+        x_shape=x_shape,
+        w_shape=w_shape,
+        binary_input=binary_input,
+        packed=packed,
+        onednn=compat.onednn_enabled(),
+        spec_supported=supported,
+    )
+
+
+def runs_kernels(path) -> bool:
+    """Whether a ``forward_path`` / ``backprop_path`` result is a kernel plan."""
+    return path is not None and path != STOCK
+
+
+def forward_path(spec, attrs=None, dtype=None, x_shape=None, w_shape=None) -> str:
+    """STOCK or the forward's plan. attrs: the conv's attrs (strides, padding,
+    dilations, ...); dtype: the input's dtype name; x_shape / w_shape: static
+    shapes (NHWC, HWIO)."""
+    return _choose_here(
+        "forward", attrs, dtype, x_shape, w_shape, bool(spec.activation_estimator), False,
+        spec,
+    )
+
+
+def backprop_path(
+    attrs,
+    dtype=None,
+    x_shape=None,
+    w_shape=None,
+    filter_grad=False,
+    binary_input=True,
+    packed=False,
+    spec=None,
+) -> str:
+    """STOCK or the plan of one backprop: filter_grad selects dW (else dX);
+    binary_input says whether x enters it as sign(x); packed, whether the
+    backward kept packed input bits; spec, the conv's BinarySpec."""
+    return _choose_here(
+        "backprop_filter" if filter_grad else "backprop_input",
+        attrs,
+        dtype,
+        x_shape,
+        w_shape,
+        binary_input,
+        packed,
+        spec,
+    )

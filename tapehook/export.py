@@ -98,7 +98,7 @@ def export_bitpacked(model, path) -> dict:
         value = np.asarray(var.numpy())
         entry = {"path": var.path, "name": var.name, "shape": list(value.shape),
                  "dtype": _dtype_name(var)}
-        if id(var) in binary:
+        if id(var) in binary and binary[id(var)][1].weights:
             layer, spec = binary[id(var)]
             if not np.all(np.isfinite(value.astype(np.float64))):
                 raise TapehookError(
@@ -112,6 +112,8 @@ def export_bitpacked(model, path) -> dict:
                          alpha=data.add(_alpha(value, spec, out_axes), _ALPHA_DTYPE))
         else:
             entry.update(kind="float", value=data.add(value, entry["dtype"]))
+            if id(var) in binary:  # weights=False: a float kernel, binary input
+                entry["spec"] = models.spec_to_config(binary[id(var)][1])
         entries.append(entry)
     manifest = json.dumps({"format": FORMAT, "version": VERSION, "data_bytes": data.size,
                            "weights": entries}, indent=1).encode()
@@ -282,7 +284,8 @@ def load_bitpacked(model, path):
     for var, _, spec, layer in updates:
         if spec is not None:
             marks.set_mark(var, spec)
-            models.restore_layer_spec(layer, models.spec_to_config(spec))
+            if layer is not None:
+                models.restore_layer_spec(layer, models.spec_to_config(spec))
     return model
 
 
@@ -299,8 +302,9 @@ def _update(entry, var, layer, data, what):
         return var, value, spec, layer
     if entry["kind"] != "float":
         raise TapehookError(f"{what}: unknown kind {entry['kind']!r}")
-    if binary_layer and marks.binary_spec_of(var) is not None:
+    spec = BinarySpec(**entry["spec"]) if entry.get("spec") else None
+    if spec is None and binary_layer and marks.binary_spec_of(var) is not None:
         raise TapehookError(
             f"{what} is stored float, but the model marks {var.path} binary; unmark it "
             f"(or binarize fewer layers) so the loaded model computes what was exported")
-    return var, _array(data, entry["value"], what), None, layer
+    return var, _array(data, entry["value"], what), spec, layer

@@ -12,9 +12,12 @@ kernel therefore goes to an op that dilates natively, so x_hat is padded
 with zeros exactly as for an undilated conv (docs/design.md).
 """
 
+import contextlib
+import threading
+
 import numpy as np
 
-from tapehook import conv2d, marks, reference
+from tapehook import conv2d, counts, marks, models, reference
 from tapehook.compat import nn_ops
 from tapehook.errors import TapehookError
 
@@ -38,6 +41,8 @@ def _dilated(dilations):
 def conv2d_call(spec, **call):
     """gen_nn_ops.conv2d with a marked filter."""
     del spec  # conv2d.conv2d reads it again (marking the filter in a scope)
+    call["padding"], call["explicit_paddings"] = causal_padding(
+        call.get("padding"), call.get("explicit_paddings", ()))
     return conv2d.conv2d(**call)
 
 
@@ -105,12 +110,12 @@ def _checked(x, w, what):
 
     x, w = tf.convert_to_tensor(x), tf.convert_to_tensor(w)
     marks.check_operands(x, w, what)
-    conv2d._count_reference(forward=1)
+    counts.count_reference(forward=1)
     return x, w
 
 
 def _count_backward():
-    conv2d._count_reference(backprop_input=1, backprop_filter=1)
+    counts.count_reference(backprop_input=1, backprop_filter=1)
 
 
 def mat_mul(spec, a, b, transpose_a=False, transpose_b=False, **_):
@@ -141,3 +146,39 @@ def depthwise_conv2d_native(spec, input, filter, strides, padding,  # noqa: A002
     x, w = _checked(input, filter, "DepthwiseConv2D")
     return reference.binary_depthwise_conv2d(x, w, spec, strides, padding,
                                              explicit_paddings, dilations, _count_backward)
+
+
+# ---- Keras Conv1D(padding="causal") ----
+# Keras pads the float input with zeros and runs a VALID conv; binarizing
+# that input would pad x_hat with +1. For a binary Conv1D the layer runs its
+# conv unpadded instead, and the conv pads x_hat itself (EXPLICIT, on the
+# left): with zeros, or with pad_value.
+
+_causal = threading.local()
+
+
+def causal_conv1d_call(wrapped, instance, args, kwargs):
+    """Wrapper of keras.layers.Conv1D.call (patches.py)."""
+    spec = models.layer_config_spec(instance)
+    if instance.padding != "causal" or spec is None or instance.data_format != "channels_last":
+        return wrapped(*args, **kwargs)
+    left = instance.dilation_rate[0] * (instance.kernel_size[0] - 1)
+    instance.padding = "valid"
+    pending = getattr(_causal, "left", None)
+    _causal.left = left
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _causal.left = pending
+        instance.padding = "causal"
+
+
+def causal_padding(padding, explicit_paddings):
+    """(padding, explicit_paddings) of a binary conv inside a causal Conv1D's
+    call: the VALID conv becomes EXPLICIT with the causal left padding on W
+    (Conv1D runs as Conv2D with H = 1)."""
+    left = getattr(_causal, "left", None)
+    if left is None or padding != "VALID":
+        return padding, explicit_paddings
+    _causal.left = None  # one conv per call
+    return "EXPLICIT", [0, 0, 0, 0, left, 0, 0, 0]

@@ -18,8 +18,10 @@ import os
 import pathlib
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
+import time
 import warnings
 
 import tensorflow as tf
@@ -29,6 +31,7 @@ from tapehook.errors import TapehookError
 
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 LIBRARY_NAME = "libtapehook_ops.so"
+BINARY_OP = "TapehookBinaryConv2D"  # the compiled forward's op type
 _COUNT_KINDS = ("forward", "backprop_input", "backprop_filter")
 
 _lock = threading.Lock()
@@ -43,7 +46,8 @@ def source_dir() -> pathlib.Path:
             return candidate
     raise TapehookError(
         "tapehook's C++ sources (cc_kernels/) are missing from the installation; "
-        "reinstall tapehook with `pip install -e .` from a checkout")
+        "reinstall tapehook with `pip install -e .` from a checkout"
+    )
 
 
 def _sources(root):
@@ -57,10 +61,16 @@ def _compiler():
 def build_flags(root):
     """(compile flags, link flags) for the installed TensorFlow."""
     compile_flags = [
-        "-O3", "-fPIC", "-Wall", "-Wno-sign-compare",
-        "-Wno-deprecated-declarations", "-Wno-interference-size",
-        *tf.sysconfig.get_compile_flags(), "-std=c++17",
-        f'-DTAPEHOOK_TF_VERSION="{tf.__version__}"', f"-I{root}",
+        "-O3",
+        "-fPIC",
+        "-Wall",
+        "-Wno-sign-compare",
+        "-Wno-deprecated-declarations",
+        "-Wno-interference-size",
+        *tf.sysconfig.get_compile_flags(),
+        "-std=c++17",
+        f'-DTAPEHOOK_TF_VERSION="{tf.__version__}"',
+        f"-I{root}",
     ]
     return compile_flags, list(tf.sysconfig.get_link_flags())
 
@@ -77,17 +87,20 @@ def cuda_plan():
 
 def _cache_key(root, compile_flags, link_flags, with_cuda):
     try:
-        version = subprocess.run([_compiler(), "--version"], capture_output=True,
-                                 text=True, check=True).stdout.splitlines()[0]
+        version = subprocess.run(
+            [_compiler(), "--version"], capture_output=True, text=True, check=True
+        ).stdout.splitlines()[0]
     except (OSError, subprocess.CalledProcessError) as exc:
         raise TapehookError(
             f"no C++ compiler: `{_compiler()} --version` failed ({exc}); install g++ "
-            f"(Debian: apt install g++) or set CXX") from None
+            f"(Debian: apt install g++) or set CXX"
+        ) from None
     digest = hashlib.sha256()
     if with_cuda:
         nvcc = cuda_build.find_nvcc()
-        version += subprocess.run([nvcc, "--version"], capture_output=True,
-                                  text=True).stdout + " ".join(cuda_build.gencode_flags())
+        version += subprocess.run(
+            [nvcc, "--version"], capture_output=True, text=True
+        ).stdout + " ".join(cuda_build.gencode_flags())
     for part in (tf.__version__, version, *compile_flags, *link_flags):
         digest.update(part.encode() + b"\0")
     for path in sorted(root.rglob("*")):
@@ -120,18 +133,20 @@ def _compile(root, compile_flags, link_flags, out_path, with_cuda):
             objects.append(obj)
             jobs.append([_compiler(), *compile_flags, "-c", str(src), "-o", str(obj)])
         for i in range(0, len(jobs), 2):
-            running = [subprocess.Popen(cmd, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True)
-                       for cmd in jobs[i:i + 2]]
-            for cmd, proc in zip(jobs[i:i + 2], running):
+            running = [
+                subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for cmd in jobs[i : i + 2]
+            ]
+            for cmd, proc in zip(jobs[i : i + 2], running):
                 output = proc.communicate()[0]
                 if proc.returncode:
-                    raise TapehookError(
-                        f"compiling {cmd[-3]} failed:\n{output[-4000:]}")
+                    raise TapehookError(f"compiling {cmd[-3]} failed:\n{output[-4000:]}")
         tmp_lib = pathlib.Path(tmp) / LIBRARY_NAME
         link = subprocess.run(
             [_compiler(), "-shared", *map(str, objects), "-o", str(tmp_lib), *link_flags],
-            capture_output=True, text=True)
+            capture_output=True,
+            text=True,
+        )
         if link.returncode:
             raise TapehookError(f"linking {LIBRARY_NAME} failed:\n{link.stderr[-4000:]}")
         shutil.move(str(tmp_lib), str(out_path.with_suffix(".tmp")))
@@ -154,19 +169,50 @@ def build(force=False) -> dict:
         fcntl.flock(lock, fcntl.LOCK_EX)
         fresh = force or not (lib_path.exists() and record_path.exists())
         if fresh:
-            _compile(root, compile_flags, link_flags, lib_path, with_cuda)
-            record_path.write_text(json.dumps({
-                "tf_version": tf.__version__, "compile_flags": compile_flags,
-                "link_flags": link_flags, "sources": str(root), "cuda": with_cuda,
-                "no_cuda_reason": no_cuda_reason,
-            }, indent=1))
+            # A first import compiles for a while: say what and where.
+            what = "CPU" + (" + CUDA" if with_cuda else "") + " kernels"
+            _say(
+                f"building {what} ({len(_sources(root))} C++ files) for "
+                f"TensorFlow {tf.__version__} into {directory} (once per TF "
+                f"version and source change; about 20 s"
+                f"{', plus several minutes of nvcc' if with_cuda else ''})..."
+            )
+            start = time.monotonic()
+            try:
+                _compile(root, compile_flags, link_flags, lib_path, with_cuda)
+            except Exception as exc:
+                _say(
+                    f"building the kernels failed after "
+                    f"{time.monotonic() - start:.0f} s: {str(exc).splitlines()[0]}"
+                )
+                raise
+            _say(f"built {lib_path} in {time.monotonic() - start:.0f} s")
+            record_path.write_text(
+                json.dumps(
+                    {
+                        "tf_version": tf.__version__,
+                        "compile_flags": compile_flags,
+                        "link_flags": link_flags,
+                        "sources": str(root),
+                        "cuda": with_cuda,
+                        "no_cuda_reason": no_cuda_reason,
+                    },
+                    indent=1,
+                )
+            )
     record = json.loads(record_path.read_text())
     record.update(path=str(lib_path), fresh_build=fresh)
     if record["tf_version"] != tf.__version__:
         raise TapehookError(
             f"cached kernel library {lib_path} was built for TF {record['tf_version']}, "
-            f"not the running TF {tf.__version__}; delete {directory}")
+            f"not the running TF {tf.__version__}; delete {directory}"
+        )
     return record
+
+
+def _say(message):
+    """One line on stderr: the build is the only slow, silent step of import."""
+    print(f"tapehook: {message}", file=sys.stderr, flush=True)
 
 
 def _load():
@@ -177,18 +223,27 @@ def _load():
     cdll.tapehook_built_tf_version.restype = ctypes.c_char_p
     cdll.tapehook_dispatch_count.restype = ctypes.c_int64
     cdll.tapehook_amx_usable.restype = ctypes.c_int
+    cdll.tapehook_conv_capabilities.restype = ctypes.c_uint32
+    cdll.tapehook_conv_capabilities.argtypes = [
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.POINTER(ctypes.c_int64),
+    ]
+    cdll.tapehook_set_switches_for_test.argtypes = [ctypes.c_int]
     built_for = cdll.tapehook_built_tf_version().decode()
     if built_for != tf.__version__:
         raise TapehookError(
-            f"{record['path']} was built for TF {built_for}, running TF {tf.__version__}")
+            f"{record['path']} was built for TF {built_for}, running TF {tf.__version__}"
+        )
     return library, cdll, record
 
 
 def _mode():
     mode = os.environ.get("TAPEHOOK_KERNELS", "auto")
     if mode not in ("auto", "reference", "compiled"):
-        raise TapehookError(
-            f"TAPEHOOK_KERNELS={mode!r}; use 'auto', 'reference' or 'compiled'")
+        raise TapehookError(f"TAPEHOOK_KERNELS={mode!r}; use 'auto', 'reference' or 'compiled'")
     return mode
 
 
@@ -201,8 +256,7 @@ def library():
             _state["tried"] = True
             mode = _mode()
             if mode == "reference":
-                _state["info"] = {"loaded": False,
-                                  "reason": "TAPEHOOK_KERNELS=reference"}
+                _state["info"] = {"loaded": False, "reason": "TAPEHOOK_KERNELS=reference"}
             else:
                 try:
                     _state["library"], _state["cdll"], record = _load()
@@ -212,11 +266,14 @@ def library():
                     if mode == "compiled":
                         raise TapehookError(
                             f"TAPEHOOK_KERNELS=compiled but the kernels could not be "
-                            f"built or loaded: {exc}") from exc
+                            f"built or loaded: {exc}"
+                        ) from exc
                     warnings.warn(
                         "tapehook: compiled kernels unavailable, binary convs run on "
                         f"the reference path (plain TF ops). Reason: {exc}",
-                        RuntimeWarning, stacklevel=3)
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
         return _state["library"]
 
 
@@ -226,13 +283,101 @@ def force_reference(enabled: bool) -> None:
 
 
 def amx_usable() -> bool:
-    """Whether the loaded CPU kernels run their float-operand convolutions on
-    Intel AMX (cc_kernels/core/amx_conv.h): the CPU has AMX-BF16, Linux
-    granted the tile state, and TAPEHOOK_NO_AMX / TAPEHOOK_NO_AVX2 are unset.
-    Read on each call, like the kernels do."""
+    """Whether the loaded CPU kernels can run their float-operand convolutions
+    on Intel AMX (cc_kernels/core/amx_conv.h): the CPU has AMX-BF16, Linux
+    granted the tile state, and TAPEHOOK_NO_AMX / TAPEHOOK_NO_AVX2 were unset
+    when the kernels first read them (cc_kernels/core/cpu.h reads them once)."""
     library()
     cdll = _state["cdll"]
     return bool(cdll is not None and cdll.tapehook_amx_usable())
+
+
+# Implementations of a binary conv, numbered as tapehook::Impl
+# (cc_kernels/core/plan.h); the names are the ops' `plan` attr values.
+IMPLS = ("portable", "avx2", "avx512", "amx")
+_OPS = {"forward": 0, "backprop_input": 1, "backprop_filter": 2}
+_capabilities_cache = {}
+
+
+def _known_dims(shape, count):
+    """The first ``count`` dims of a static shape, -1 where unknown."""
+    try:
+        dims = shape.as_list() if isinstance(shape, tf.TensorShape) else list(shape)
+    except (TypeError, ValueError):  # None, or unknown rank
+        return [-1] * count
+    if len(dims) != 4:
+        return [-1] * count
+    return [-1 if d is None else int(d) for d in dims[:count]]
+
+
+def conv_capabilities(
+    op, attrs, dtype, x_shape=None, w_shape=None, binary_input=False, packed=False
+) -> frozenset:
+    """The implementations (``IMPLS`` names) the loaded kernels can run this
+    conv with on this CPU: the C++ capability query (cc_kernels/core/plan.h).
+    op: "forward", "backprop_input" or "backprop_filter"; attrs: the conv's
+    attrs; dtype: the input's dtype name; shapes: static NHWC / HWIO shapes,
+    unknown dims allowed. Empty when the kernels are not loaded."""
+    cdll = _state["cdll"]
+    if cdll is None:
+        library()
+        cdll = _state["cdll"]
+    if cdll is None:
+        return frozenset()
+    batch, in_h, in_w, in_c = _known_dims(x_shape, 4)
+    k_h, k_w, _, out_c = _known_dims(w_shape, 4)
+    strides, dilations = attrs["strides"], attrs["dilations"]
+    pad_top = pad_left = -1  # SAME / VALID: fit every implementation
+    if attrs["padding"] == "EXPLICIT":
+        pads = list(attrs["explicit_paddings"])
+        pad_top, pad_left = int(pads[2]), int(pads[4])
+    elif attrs["padding"] == "VALID":
+        pad_top = pad_left = 0
+    key = (
+        _OPS[op],
+        int(bool(binary_input)),
+        int(bool(packed)),
+        int(dtype == "float64"),
+        batch,
+        in_h,
+        in_w,
+        in_c,
+        out_c,
+        k_h,
+        k_w,
+        -1,
+        -1,
+        int(strides[1]),
+        int(strides[2]),
+        int(dilations[1]),
+        int(dilations[2]),
+        pad_top,
+        pad_left,
+    )
+    # The answer depends on the key and the switches only: ask C++ once per key
+    # (an eager conv decides on every call).
+    answer = _capabilities_cache.get(key)
+    if answer is None:
+        bits = cdll.tapehook_conv_capabilities(*key[:4], (ctypes.c_int64 * 15)(*key[4:]))
+        answer = frozenset(name for i, name in enumerate(IMPLS) if bits >> i & 1)
+        _capabilities_cache[key] = answer
+    return answer
+
+
+def set_switches_for_test(no_amx=False, no_avx512=False, no_avx2=False):
+    """Pins the kernels' TAPEHOOK_NO_* switches in this process (tests; the
+    environment's are read once). ``None`` for all three restores them."""
+    library()
+    cdll = _state["cdll"]
+    if cdll is None:
+        raise TapehookError("the compiled kernels are not loaded")
+    _capabilities_cache.clear()
+    if no_amx is None:
+        cdll.tapehook_set_switches_for_test(-1)
+        return
+    cdll.tapehook_set_switches_for_test(
+        int(bool(no_amx)) | int(bool(no_avx512)) << 1 | int(bool(no_avx2)) << 2
+    )
 
 
 def kernel_info() -> dict:
@@ -244,11 +389,16 @@ def kernel_info() -> dict:
     if _forced_reference[0]:
         cpu["forced_reference"] = True
     if cpu.get("cuda"):
-        gpu = {"loaded": True, "path": cpu["path"],
-               "devices": [d.name for d in tf.config.list_physical_devices("GPU")]}
+        gpu = {
+            "loaded": True,
+            "path": cpu["path"],
+            "devices": [d.name for d in tf.config.list_physical_devices("GPU")],
+        }
     else:
-        gpu = {"loaded": False,
-               "reason": cpu.get("no_cuda_reason") or cpu.get("reason") or cuda_plan()[1]}
+        gpu = {
+            "loaded": False,
+            "reason": cpu.get("no_cuda_reason") or cpu.get("reason") or cuda_plan()[1],
+        }
     return {"cpu": cpu, "gpu": gpu, "tensorflow": tf.__version__}
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 from tapehook.compat import keras_variable_base, resource_variable_ops
 from tapehook.errors import TapehookError
-from tapehook.spec import BinarySpec
+from tapehook.spec import FIELDS, BinarySpec
 
 _SPEC_ATTR = "_tapehook_spec"      # on a component variable's handle
 SOURCE_ATTR = "_tapehook_variable"  # on a tensor: the variable it was read from
@@ -116,7 +116,7 @@ def make_spec(spec_kwargs) -> BinarySpec:
         return BinarySpec(**spec_kwargs)
     except TypeError as exc:
         raise TapehookError(
-            f"{exc}; a binary spec takes activations, scale, ste and clip") from None
+            f"{exc}; a binary spec takes {', '.join(FIELDS)}") from None
 
 
 def mark_binary(var, **spec):
@@ -224,13 +224,7 @@ def spec_for_use(filter_obj, mark=True):
             return None
         if mark:
             set_mark(var, spec)
-    if spec is None and layer_filter_hook[0] is not None:
-        spec = layer_filter_hook[0](var) if mark else None
     return spec
-
-
-# Set by tapehook.models: a Keras layer being called may know its kernel's spec.
-layer_filter_hook = [None]
 
 
 def scope_marks_created(var) -> None:

@@ -107,15 +107,16 @@ class Policy:
         return self.spec
 
 
-def _mark_layer(layer, spec):
-    """Gives a layer its spec and marks its kernel if it exists already."""
+def _mark_layer(layer, spec, replace=False):
+    """Gives a layer its spec and marks its kernel if it exists already
+    (``replace``: also over a mark it has, as ``binarize(model)`` does)."""
     _set(layer, _LAYER_SPEC, spec)
     _set(layer, _DECIDED, True)
     if spec is not None:
         marks.arm()
         layer.supports_jit = False  # Keras "auto" must not XLA-compile our ops
         kernel = getattr(layer, "kernel", None) if layer.built else None
-        if kernel is not None and marks.binary_spec_of(kernel) is None:
+        if kernel is not None and (replace or marks.binary_spec_of(kernel) is None):
             marks.set_mark(kernel, spec)
 
 
@@ -153,9 +154,10 @@ def output_shape_of(layer):
 
 
 def spec_for_layer_filter(var):
-    """Spec for an unmarked filter used by the innermost layer being called."""
+    """Spec for an unmarked filter used by the innermost layer being called
+    (marking the layer's kernel), or None."""
     stack = layer_stack()
-    if not stack:
+    if not stack or var is None:
         return None
     layer = stack[-1]
     spec = getattr(layer, _LAYER_SPEC, None)
@@ -179,8 +181,7 @@ def layer_config_spec(layer):
 
 
 def spec_to_config(spec: BinarySpec) -> dict:
-    return {"activations": spec.activations, "scale": spec.scale,
-            "ste": spec.ste, "clip": spec.clip}
+    return spec.to_config()
 
 
 def restore_layer_spec(layer, config_value):
@@ -255,7 +256,9 @@ def _binarize_target(target, policy):
         _set(target, _POLICY, policy)
         for layer in target._flatten_layers(include_self=False):
             if is_binarizable(layer):
-                _mark_layer(layer, policy.decide(layer, target))
+                # Called on a model, binarize states the model's spec now: it
+                # replaces earlier marks (stage 2 of a two-stage recipe).
+                _mark_layer(layer, policy.decide(layer, target), replace=True)
         return target
     if isinstance(target, tf.Module):
         for var in target.variables:

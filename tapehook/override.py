@@ -44,12 +44,12 @@ which costs one thread-local lookup when no scope is active.
 import contextlib
 import threading
 
-from tapehook import conv2d
+from tapehook import kernels
 from tapehook.compat import backprop, op_callbacks, record
 from tapehook.errors import TapehookError
 
 # Ops that tapes record under another type: that type's override applies.
-_RECORDED_AS = {conv2d.BINARY_OP: "Conv2D"}
+_RECORDED_AS = {kernels.BINARY_OP: "Conv2D"}
 
 _thread = threading.local()  # .overrides: [(op_type, grad_fn)], innermost last
 
@@ -60,7 +60,7 @@ def _active_overrides() -> list:
     return _thread.overrides
 
 
-def _override_for(op_type):
+def override_for(op_type):
     """The innermost grad_fn for ``op_type`` on this thread, or None."""
     for overridden, grad_fn in reversed(getattr(_thread, "overrides", ())):
         if overridden == op_type:
@@ -115,7 +115,7 @@ def _graph_gradient(grad_fn, op_type):
 def _on_op(op_type, inputs, attrs, outputs, op_name=None, graph=None):
     """Op callback: runs after each op executed or created on this thread."""
     recorded_as = _RECORDED_AS.get(op_type, op_type)
-    grad_fn = _override_for(recorded_as)
+    grad_fn = override_for(recorded_as)
     if grad_fn is None:
         return None
     if graph is None:
@@ -138,7 +138,7 @@ def recording_with_overrides(wrapped, instance, args, kwargs):
     callbacks ran, so a callback's record would be replaced by the registered
     gradient's; the eager fallback path does the same.
     """
-    grad_fn = _override_for(args[0] if args else kwargs.get("op_name"))
+    grad_fn = override_for(args[0] if args else kwargs.get("op_name"))
     if grad_fn is None:
         return wrapped(*args, **kwargs)
     op_name, inputs, attrs, outputs = _record_arguments(*args, **kwargs)

@@ -46,5 +46,5 @@ def packable(x, spec) -> bool:
 
 def pack_input(x, spec) -> PackedInput:
     """Sign and ste_sign mask bits of a binary conv's input (compiled kernels)."""
-    packed = kernels.library().tapehook_pack_input(x, **spec.clip_attrs())
+    packed = kernels.library().tapehook_pack_input(x, **spec.pack_attrs())
     return PackedInput(packed, int(x.shape[-1]), x.dtype)

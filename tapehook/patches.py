@@ -1,6 +1,6 @@
 """Every change tapehook makes to TensorFlow, applied and removed in one place.
 
-- the registered "Conv2D" gradient -> conv2d.conv2d_grad (registry.py swaps it)
+- the registered "Conv2D" gradient -> gradient.conv2d_grad (registry.py swaps it)
 - a gradient for tapehook's own TapehookBinaryConv2D op
 - functions wrapped with wrapt, each a signature-exact pass-through
   ``(wrapped, instance, args, kwargs)``: every calling form the original
@@ -18,7 +18,8 @@
     variable it holds, so a filter read in Python still leads to its marks
   - execute.record_gradient: op types under tapehook.override_gradient on
     this thread are recorded with their scoped gradient (override.py)
-  - Keras: Layer.__call__ keeps the layers being called on a per-thread
+  - Keras: Conv1D.call lets a binary causal Conv1D pad x_hat itself
+    (interpose.py); Layer.__call__ keeps the layers being called on a per-thread
     stack (models.py decides binarized models' layers there); Conv layers'
     get_config / from_config carry the layer's BinarySpec, so .keras files
     load back binary
@@ -37,7 +38,7 @@ import inspect
 import tensorflow as tf
 import wrapt
 
-from tapehook import compat, conv2d, interpose, marks, models, override, registry
+from tapehook import compat, gradient, interpose, kernels, marks, models, override, registry
 from tapehook.compat import (gen_array_ops, gen_math_ops, gen_nn_ops, nn_impl, nn_ops,
                              resource_variable_ops)
 from tapehook.errors import TapehookError
@@ -85,7 +86,10 @@ def _on_marked_operand(index, name, binary, mark=True, left=None):
     to ``binary(spec, **arguments)``; a None from it means "TF's own function
     runs". ``left``: (index, name) of an operand that must not be marked."""
     def wrapper(wrapped, instance, args, kwargs):
-        spec = marks.spec_for_use(_operand(args, kwargs, index, name), mark=mark)
+        operand = _operand(args, kwargs, index, name)
+        spec = marks.spec_for_use(operand, mark=mark)
+        if spec is None and mark and models.layer_stack():
+            spec = models.spec_for_layer_filter(marks.source_variable(operand))
         if spec is None:
             if left is not None and marks.binary_spec_of(
                     _operand(args, kwargs, *left)) is not None:
@@ -184,8 +188,7 @@ def _wrap_with_v1_name(owner, name, wrapper):
 
 def _install_hot() -> None:
     """The wrappers on the path of every op, applied when the process is armed."""
-    conv2d.stock["conv2d"] = _wrap(gen_nn_ops, "conv2d", _on_marked_operand(
-        1, "filter", interpose.conv2d_call))
+    _wrap(gen_nn_ops, "conv2d", _on_marked_operand(1, "filter", interpose.conv2d_call))
     _wrap(nn_ops, "convolution_internal", _on_marked_operand(
         1, "filters", interpose.convolution_internal, mark=False))
     _wrap_with_v1_name(nn_impl, "depthwise_conv2d", _on_marked_operand(
@@ -205,8 +208,7 @@ def _install_hot() -> None:
     keras = _keras()
     if keras is not None:
         _wrap(keras.Layer, "__call__", _tracked_layer_call)
-        marks.layer_filter_hook[0] = models.spec_for_layer_filter
-        _applied.append((marks, "layer_filter_hook", _MISSING))
+        _wrap(keras.layers.Conv1D, "call", interpose.causal_conv1d_call)
 
 
 _hot = [False]  # whether _install_hot's wrappers are applied
@@ -229,9 +231,9 @@ def _apply(step) -> None:
 
 
 def _install_base() -> None:
-    registry.register_gradient(conv2d.BINARY_OP, conv2d.binary_conv2d_op_grad)
-    conv2d.stock["conv2d_grad"] = registry.swap_gradient("Conv2D", conv2d.conv2d_grad)
-    _applied.append((registry, "Conv2D", conv2d.stock["conv2d_grad"]))
+    registry.register_gradient(kernels.BINARY_OP, gradient.binary_conv2d_op_grad)
+    _applied.append((registry, "Conv2D", registry.swap_gradient("Conv2D",
+                                                                gradient.conv2d_grad)))
     # Tapes in graphs record after op callbacks run; override.py picks the
     # gradient of op types overridden on this thread at recording time.
     _wrap(compat.execute, "record_gradient", override.recording_with_overrides)
@@ -264,8 +266,6 @@ def uninstall() -> None:
         owner, name, original = _applied.pop()
         if owner is registry:
             registry.swap_gradient(name, original)
-        elif owner is marks and name == "layer_filter_hook":
-            marks.layer_filter_hook[0] = None
         elif owner is compat:
             compat.hide_from_tracebacks(__file__, False)
         elif original is _MISSING:
@@ -281,4 +281,4 @@ def installed() -> bool:
 def patched_functions():
     """(owner, attribute name) of every wrapped function, for tests and docs."""
     return [(owner, name) for owner, name, _ in _applied
-            if owner not in (registry, marks, compat)]
+            if owner not in (registry, compat)]

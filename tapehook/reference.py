@@ -5,13 +5,16 @@ tests as the independent reference the kernels are checked against.
 
     sign(t) = +1 if t >= 0 else -1
     W_hat   = alpha * sign(W)      alpha = 1, or mean |W| per output channel
+              (W itself with weights=False)
     x_hat   = sign(x) if activations are binary else x
-    y       = conv2d(x_hat, W_hat)                   zero padding pads x_hat
-    dW      = conv2d_backprop_filter(x_hat, dY) * alpha * e'(W)
+    y       = conv2d(x_hat, W_hat)     SAME / EXPLICIT pad x_hat with pad_value
+    dW      = conv2d_backprop_filter(x_hat, dY) * alpha * e'(W)  [no alpha,
+              no e'(W) with weights=False]
     dX      = conv2d_backprop_input(W_hat, dY) [* e'(x) when binary]
 
-Estimators e'(t): ste_sign 1{|t| <= clip}; approx_sign (2 - 2|t|) 1{|t| <= 1};
-swish_sign (beta = 5) beta (2 - beta t tanh(beta t / 2)) / (1 + cosh(beta t)).
+Estimators e'(t): ste_sign 1{|t| <= clip} (no mask for clip None; the
+input's clip is activation_clip); approx_sign (2 - 2|t|) 1{|t| <= 1};
+swish_sign beta (2 - beta t tanh(beta t / 2)) / (1 + cosh(beta t)).
 """
 
 import tensorflow as tf
@@ -27,7 +30,7 @@ def sign(t):
     return tf.where(t >= 0, one, -one)  # scalars broadcast: one pass over t
 
 
-def estimator_grad(name, t, clip):
+def estimator_grad(name, t, clip, beta=SWISH_BETA):
     """e'(t), the pseudo-derivative of sign, computed in float32 or float64.
 
     The ste_sign mask is exactly 1{|t| <= clip} for t in its own dtype:
@@ -37,12 +40,14 @@ def estimator_grad(name, t, clip):
     wide = tf.float64 if t.dtype == tf.float64 else tf.float32
     t = tf.cast(t, wide)
     if name == "ste_sign":
+        if clip is None:
+            return tf.ones_like(t)
         threshold = clip_threshold(clip, float64=wide == tf.float64)
         return tf.cast(tf.abs(t) <= tf.constant(threshold, wide), wide)
     if name == "approx_sign":
         return tf.where(tf.abs(t) <= 1, 2 - 2 * tf.abs(t), tf.zeros_like(t))
     if name == "swish_sign":
-        b = tf.constant(SWISH_BETA, wide)
+        b = tf.constant(beta, wide)
         # 1 + cosh overflows to inf for large |t|, which correctly gives 0.
         return b * (2 - b * t * tf.tanh(b * t / 2)) / (1 + tf.cosh(b * t))
     raise ValueError(f"unknown estimator {name!r}")
@@ -78,13 +83,73 @@ def float_conv2d(x, w, strides, padding, explicit_paddings, dilations):
                              dilations=dilations[1:3])
 
 
-def _masked(grad, name, t, clip):
-    mask = estimator_grad(name, t, clip)
+def _masked(grad, name, t, clip, beta):
+    mask = estimator_grad(name, t, clip, beta)
     return tf.cast(tf.cast(grad, mask.dtype) * mask, grad.dtype)
 
 
+def mask_input_grad(dx, x, spec):
+    """dX times e'(x) when the input is binary."""
+    if not spec.activation_estimator:
+        return dx
+    return _masked(dx, spec.activation_estimator, x, spec.activation_clip, spec.beta)
+
+
+def mask_weight_grad(dw_hat, w, a, spec):
+    """dW from the gradient of W_hat: times alpha e'(W), or as is (weights=False)."""
+    if not spec.weights:
+        return dw_hat
+    return _masked(dw_hat * a, spec.ste, w, spec.clip, spec.beta)
+
+
+def weight_hat(w, a, spec):
+    """W_hat = alpha sign(W), or W itself with weights=False."""
+    return scaled_sign(w, a) if spec.weights else float_kernel(w)
+
+
+def float_kernel(w):
+    """W as a new tensor that does not lead back to its marked variable, so
+    the stock op it feeds runs float instead of coming back here
+    (tf.raw_ops are not interposed)."""
+    return tf.raw_ops.Identity(input=w)
+
+
+def same_padding(size, k, stride, dilation):
+    """(before, after) SAME padding of one spatial dim, as TF computes it; for
+    ints or scalar tensors."""
+    effective = (k - 1) * dilation + 1
+    if isinstance(size, int):
+        out = -(-size // stride)
+        total = max((out - 1) * stride + effective - size, 0)
+    else:
+        out = (size + stride - 1) // stride
+        total = tf.maximum((out - 1) * stride + effective - size, 0)
+    return total // 2, total - total // 2
+
+
+def pad_input(x, w_shape, strides, padding, explicit_paddings, dilations, pad_value):
+    """(x padded with pad_value as the conv's padding says, "VALID", []): the
+    input, padding and explicit_paddings of the VALID conv that a conv whose
+    padding value is not zero becomes. x is NHWC (Conv1D as H = 1);
+    sign(pad_value) = pad_value for 0 and 1."""
+    if padding == "VALID":
+        return x, "VALID", []
+    if padding == "EXPLICIT":
+        p = list(explicit_paddings)
+        amounts = [p[0:2], p[2:4], p[4:6], p[6:8]]
+    else:
+        amounts = [[0, 0]]
+        for axis in (1, 2):
+            size = x.shape[axis] if x.shape[axis] is not None else tf.shape(x)[axis]
+            amounts.append(list(same_padding(size, int(w_shape[axis - 1]),
+                                             int(strides[axis]), int(dilations[axis]))))
+        amounts.append([0, 0])
+    return tf.pad(x, amounts, constant_values=tf.cast(pad_value, x.dtype)), "VALID", []
+
+
 def binary_conv2d_backward(x, w, dy, spec, strides, padding, explicit_paddings,
-                           dilations, need_dx=True, need_dw=True, w_parts=None):
+                           dilations, need_dx=True, need_dw=True, w_parts=None,
+                           input_mask=None):
     """(dX, dW) of the binary conv from stock conv gradients; None where not needed.
 
     dX = conv2d_backprop_input(alpha sign W, dY) [* e'(x)] and
@@ -92,11 +157,12 @@ def binary_conv2d_backward(x, w, dy, spec, strides, padding, explicit_paddings,
     the stock backprop ops directly; TF's CPU backprops reject dilations, so a
     dilated conv differentiates tf.nn.convolution (SpaceToBatchND) instead.
     ``w_parts``: (alpha sign W or None, alpha) from the forward.
+    ``input_mask``: e'(x) given (x then is x_hat itself, from packed bits).
     """
     dilated = any(d != 1 for d in dilations)
     w_hat, a = w_parts if w_parts is not None else (None, alpha(w, spec.scale))
     if w_hat is None and (need_dx or dilated):
-        w_hat = scaled_sign(w, a)
+        w_hat = weight_hat(w, a, spec)
     x_hat = binarize_input(x, spec) if need_dw or dilated else None
     if dilated:
         with tf.GradientTape() as tape:
@@ -112,10 +178,10 @@ def binary_conv2d_backward(x, w, dy, spec, strides, padding, explicit_paddings,
         dw = tf.raw_ops.Conv2DBackpropFilter(
             input=x_hat, filter_sizes=tf.shape(w), out_backprop=dy,
             **attrs) if need_dw else None
-    if dx is not None and need_dx and spec.activation_estimator:
-        dx = _masked(dx, spec.activation_estimator, x, spec.clip)
+    if dx is not None and need_dx:
+        dx = mask_input_grad(dx, x, spec) if input_mask is None else dx * input_mask
     if dw is not None and need_dw:
-        dw = _masked(dw * a, spec.ste, w, spec.clip)
+        dw = mask_weight_grad(dw, w, a, spec)
     return (dx if need_dx else None), (dw if need_dw else None)
 
 
@@ -133,20 +199,23 @@ def binary_conv2d(x, w, spec, strides=(1, 1, 1, 1), padding="SAME",
     ``on_backward`` (optional) is called whenever the backward is built.
     """
     strides, dilations = list(strides), list(dilations)
+    if spec.pad_value and padding != "VALID":
+        x, padding, explicit_paddings = pad_input(x, w.shape, strides, padding,
+                                                  explicit_paddings, dilations, spec.pad_value)
 
     @tf.custom_gradient
     def conv(x, w):
         # alpha once, for the forward and the backward; alpha sign W too when
         # the forward uses it (float input), else the backward makes it
         a = alpha(w, spec.scale)
-        if spec.activation_estimator:
+        if spec.activation_estimator and spec.weights:
             w_parts = (None, a)
             y = _forward(sign(x), sign(w), a, spec, strides, padding,
                          explicit_paddings, dilations)
         else:
-            w_parts = (scaled_sign(w, a), a)
-            y = float_conv2d(x, w_parts[0], strides, padding, explicit_paddings,
-                             dilations)
+            w_parts = (weight_hat(w, a, spec), a)
+            y = float_conv2d(binarize_input(x, spec), w_parts[0], strides, padding,
+                             explicit_paddings, dilations)
 
         def grad(dy):
             if on_backward is not None:
@@ -179,17 +248,15 @@ def binary_matmul(x, w, spec, on_backward=None):
     for x of any rank >= 2 (leading axes are batch axes) and a 2-D W.
     """
     def forward(x, w):
-        y = tf.linalg.matmul(binarize_input(x, spec), sign(w))
+        y = tf.linalg.matmul(binarize_input(x, spec), sign(w) if spec.weights else float_kernel(w))
         return y * alpha_dense(w, spec.scale) if spec.scale else y
 
     def backward(x, w, dy):
         a = alpha_dense(w, spec.scale)
-        dx = tf.linalg.matmul(dy, sign(w) * a, transpose_b=True)
-        if spec.activation_estimator:
-            dx = _masked(dx, spec.activation_estimator, x, spec.clip)
+        dx = tf.linalg.matmul(dy, weight_hat(w, a, spec), transpose_b=True)
         x_hat = tf.reshape(binarize_input(x, spec), [-1, tf.shape(x)[-1]])
         dw = tf.linalg.matmul(x_hat, tf.reshape(dy, [-1, tf.shape(dy)[-1]]), transpose_a=True)
-        return dx, _masked(dw * a, spec.ste, w, spec.clip)
+        return mask_input_grad(dx, x, spec), mask_weight_grad(dw, w, a, spec)
 
     return _custom_binary(forward, backward, x, w, on_backward)
 
@@ -230,17 +297,21 @@ def binary_depthwise_conv2d(x, w, spec, strides, padding, explicit_paddings=(),
     alpha per output channel (c, m); same estimator masks as the conv."""
     strides, dilations = list(strides), list(dilations)
     explicit_paddings = list(explicit_paddings or [])
+    if spec.pad_value and padding != "VALID":
+        x, padding, explicit_paddings = pad_input(x, w.shape, strides, padding,
+                                                  explicit_paddings, dilations, spec.pad_value)
     dilated = any(d != 1 for d in dilations)
     conv = (strides, padding, explicit_paddings, dilations)
 
     def forward(x, w):
-        y = _depthwise_float(binarize_input(x, spec), sign(w), *conv)
+        w_hat = sign(w) if spec.weights else float_kernel(w)
+        y = _depthwise_float(binarize_input(x, spec), w_hat, *conv)
         return y * alpha_depthwise(w, spec.scale) if spec.scale else y
 
     def backward(x, w, dy):
         a = alpha_depthwise(w, spec.scale)
         dy_scaled = dy * a
-        x_hat, w_sign = binarize_input(x, spec), sign(w)
+        x_hat, w_sign = binarize_input(x, spec), sign(w) if spec.weights else float_kernel(w)
         if dilated:
             with tf.GradientTape() as tape:
                 tape.watch([x_hat, w_sign])
@@ -253,8 +324,7 @@ def binary_depthwise_conv2d(x, w, spec, strides, padding, explicit_paddings=(),
                 input_sizes=tf.shape(x), filter=w_sign, out_backprop=dy_scaled, **attrs)
             dw = tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(
                 input=x_hat, filter_sizes=tf.shape(w), out_backprop=dy_scaled, **attrs)
-        if spec.activation_estimator:
-            dx = _masked(dx, spec.activation_estimator, x, spec.clip)
-        return dx, _masked(dw, spec.ste, w, spec.clip)
+        dx = mask_input_grad(dx, x, spec)
+        return dx, (_masked(dw, spec.ste, w, spec.clip, spec.beta) if spec.weights else dw)
 
     return _custom_binary(forward, backward, x, w, on_backward)

@@ -6,19 +6,24 @@ import tensorflow as tf
 
 from tapehook import marks
 from tapehook.errors import TapehookError
+from tapehook.spec import SAME_AS_CLIP
 
 
 @contextlib.contextmanager
 def binary_scope(*, variables=None, activations=False, scale=None,
-                 ste="ste_sign", clip=1.0):
-    """Marks binary every variable created inside the block that can be a conv
-    kernel (2-D Dense, 3-D Conv1D, 4-D Conv2D / DepthwiseConv2D; floating point) and every variable used inside it as a
-    Conv2D filter. ``variables=[...]`` restricts marking to exactly those.
+                 ste="ste_sign", clip=1.0, pad_value=0.0, weights=True, beta=5.0,
+                 activation_clip=SAME_AS_CLIP):
+    """Marks binary every variable created inside the block that can be a
+    kernel (2-D Dense, 3-D Conv1D, 4-D Conv2D / DepthwiseConv2D; floating
+    point) and every variable used inside it as a kernel. ``variables=[...]``
+    restricts marking to exactly those. The other keywords are BinarySpec's.
 
     Marks persist after the block. Scopes nest (the innermost spec marks) and
     are per thread. Leaving by exception restores the scope state.
     """
-    spec = marks.make_spec(dict(activations=activations, scale=scale, ste=ste, clip=clip))
+    spec = marks.make_spec(dict(activations=activations, scale=scale, ste=ste, clip=clip,
+                                pad_value=pad_value, weights=weights, beta=beta,
+                                activation_clip=activation_clip))
     allowed = None
     if variables is not None:
         handles = []  # kept alive by this closure, so their ids stay unique

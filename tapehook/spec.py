@@ -11,6 +11,22 @@ from tapehook.errors import TapehookError
 # Pseudo-derivatives of sign for the backward pass (math in docs/design.md).
 ESTIMATORS = ("ste_sign", "approx_sign", "swish_sign")
 SCALES = (None, "mean_abs")
+PAD_VALUES = (0.0, 1.0)
+FIELDS = ("activations", "scale", "ste", "clip", "pad_value", "weights", "beta",
+          "activation_clip")
+
+
+class _SameAsClip:
+    """activation_clip's default: the input's clip is the weights' clip."""
+
+    def __repr__(self):
+        return "SAME_AS_CLIP"
+
+    def __reduce__(self):
+        return "SAME_AS_CLIP"
+
+
+SAME_AS_CLIP = _SameAsClip()
 
 
 def clip_threshold(clip: float, float64: bool) -> float:
@@ -21,12 +37,22 @@ def clip_threshold(clip: float, float64: bool) -> float:
     largest float32 not above clip (rounding to nearest could widen the mask:
     float32(0.1) = 0.10000000149).
     """
+    if clip is None:  # no mask
+        return float("inf")
     if float64:
         return float(clip)
     narrow = np.float32(clip)
     if float(narrow) > clip:
         narrow = np.nextafter(narrow, np.float32(0))
     return float(narrow)
+
+
+def _clip_attrs(name, clip) -> dict:
+    """A clip as two op attrs: float32 rounded toward zero (exact for half /
+    bfloat16 / float32 inputs, see clip_threshold) and the double's bits for
+    float64 inputs; no mask (None) is +inf."""
+    return {name: clip_threshold(clip, float64=False),
+            f"{name}_f64_bits": float64_bits(clip_threshold(clip, float64=True))}
 
 
 def float64_bits(value: float) -> int:
@@ -38,21 +64,36 @@ def float64_from_bits(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<q", int(bits)))[0]
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating))
+
+
 @dataclasses.dataclass(frozen=True)
 class BinarySpec:
-    """How a marked Conv2D filter (and optionally its input) is binarized.
+    """How a marked kernel (and optionally its input) is binarized.
 
     - ``ste``: estimator of the weights' gradient (one of ``ESTIMATORS``).
-    - ``clip``: ``ste_sign`` passes gradients where ``|t| <= clip``.
+    - ``clip``: ``ste_sign`` on the weights passes gradients where
+      ``|t| <= clip``; None: everywhere (no mask).
     - ``scale``: None (alpha = 1) or ``"mean_abs"`` (alpha per output channel).
     - ``activations``: False (float input), True (input binarized with
       ``ste``), or an estimator name used for the input alone.
+    - ``pad_value``: 0.0 or 1.0, what SAME / EXPLICIT padding pads the conv
+      input x_hat with (larq ``pad_values``).
+    - ``weights``: False keeps the kernel float (no sign, no alpha) while the
+      input is binarized: the first stage of the two-stage BAN recipe.
+    - ``beta``: swish_sign's beta, for weights and input.
+    - ``activation_clip``: ``ste_sign``'s clip for the input (default: clip).
     """
 
     activations: Union[bool, str] = False
     scale: Optional[str] = None
     ste: str = "ste_sign"
-    clip: float = 1.0
+    clip: Optional[float] = 1.0
+    pad_value: float = 0.0
+    weights: bool = True
+    beta: float = 5.0
+    activation_clip: Optional[float] = SAME_AS_CLIP
 
     def __post_init__(self):
         if self.ste not in ESTIMATORS:
@@ -66,11 +107,38 @@ class BinarySpec:
                 f"activations={self.activations!r} is not supported; use False "
                 f"(float input), True (same estimator as the weights) or one "
                 f"of {ESTIMATORS}")
-        if isinstance(self.clip, bool) or not isinstance(self.clip, (int, float)):
-            raise TapehookError(f"clip must be a positive number, got {self.clip!r}")
-        if not self.clip > 0:
-            raise TapehookError(f"clip must be > 0, got {self.clip!r}")
-        object.__setattr__(self, "clip", float(self.clip))
+        if self.activation_clip is SAME_AS_CLIP:
+            object.__setattr__(self, "activation_clip", self.clip)
+        for name in ("clip", "activation_clip"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not _is_number(value) or not value > 0:
+                raise TapehookError(
+                    f"{name} must be > 0: a positive number, or None for no mask; got "
+                    f"{value!r}")
+            object.__setattr__(self, name, float(value))
+        if (isinstance(self.pad_value, bool) or not _is_number(self.pad_value)
+                or float(self.pad_value) not in PAD_VALUES):
+            raise TapehookError(
+                f"pad_value must be 0.0 (zero padding) or 1.0 (one padding, larq's "
+                f"pad_values=1.0), got {self.pad_value!r}")
+        object.__setattr__(self, "pad_value", float(self.pad_value))
+        if isinstance(self.beta, bool) or not _is_number(self.beta) or not self.beta > 0:
+            raise TapehookError(f"beta (swish_sign's) must be a number > 0, got "
+                                f"{self.beta!r}")
+        object.__setattr__(self, "beta", float(self.beta))
+        if not isinstance(self.weights, bool):
+            raise TapehookError(f"weights must be True (binary) or False (float "
+                                f"kernel, binary input), got {self.weights!r}")
+        if not self.weights and not self.activation_estimator:
+            raise TapehookError(
+                "weights=False keeps the kernel float, so the input must be binary: "
+                "pass activations=True (or an estimator name), or weights=True")
+        if not self.weights and self.scale is not None:
+            raise TapehookError(
+                f"scale={self.scale!r} scales binarized weights; with weights=False "
+                f"the kernel stays float: use scale=None")
 
     @property
     def activation_estimator(self) -> Optional[str]:
@@ -79,19 +147,33 @@ class BinarySpec:
             return self.ste
         return self.activations or None
 
-    def op_attrs(self) -> dict:
-        """The spec as attrs of the tapehook kernel ops."""
-        return {
+    def op_attrs(self, op="forward") -> dict:
+        """The spec as attrs of one tapehook kernel op.
+
+        op: "forward" (TapehookBinaryConv2D: the whole spec, so a graph
+        gradient or a loaded SavedModel can rebuild it from the op),
+        "backprop_input" (the input's mask: activation_clip) or
+        "backprop_filter" (the weights' mask: clip).
+        """
+        attrs = {
             "scale": self.scale or "none",
             "weight_estimator": self.ste,
             "activation_estimator": self.activation_estimator or "none",
-            **self.clip_attrs(),
+            **_clip_attrs("clip", self.activation_clip if op == "backprop_input"
+                          else self.clip),
         }
+        if op == "forward":
+            attrs.update(_clip_attrs("activation_clip", self.activation_clip),
+                         beta=self.beta, pad_value=self.pad_value)
+        return attrs
 
-    def clip_attrs(self) -> dict:
-        """The clip as op attrs: float32 rounded toward zero, exact for half /
-        bfloat16 / float32 inputs (clip_threshold)."""
-        return {"clip": clip_threshold(self.clip, float64=False)}
+    def pack_attrs(self) -> dict:
+        """Attrs of TapehookPackInput: the input's ste_sign mask."""
+        return _clip_attrs("clip", self.activation_clip)
+
+    def to_config(self) -> dict:
+        """Every field, JSON-serializable (Keras configs, .thbits manifests)."""
+        return {name: getattr(self, name) for name in FIELDS}
 
     @classmethod
     def from_op_attrs(cls, get_attr) -> "BinarySpec":
@@ -100,12 +182,27 @@ class BinarySpec:
             value = get_attr(name)
             return value.decode() if isinstance(value, bytes) else value
 
+        def optional(name, default):
+            try:
+                return get_attr(name)
+            except (ValueError, KeyError):  # an op written before the attr existed
+                return default
+
         ste = text("weight_estimator")
         act = text("activation_estimator")
         scale = text("scale")
+        def clip(name):
+            bits = optional(f"{name}_f64_bits", 0)
+            value = float64_from_bits(bits) if bits else optional(name, -1.0)
+            return None if value == float("inf") else value
+
+        weights_clip, act_clip = clip("clip"), clip("activation_clip")
         return cls(
             activations=False if act == "none" else (True if act == ste else act),
             scale=None if scale == "none" else scale,
             ste=ste,
-            clip=get_attr("clip"),
+            clip=weights_clip,
+            activation_clip=weights_clip if act_clip == -1.0 else act_clip,
+            beta=optional("beta", 5.0),
+            pad_value=optional("pad_value", 0.0),
         )

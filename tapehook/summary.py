@@ -50,13 +50,20 @@ def _count(n):
 def _spec_text(spec):
     if spec is None:
         return ""
-    parts = [spec.ste]
+    parts = [spec.ste if spec.weights else "float-weights"]
     if spec.activation_estimator:
         parts.append(f"act={spec.activation_estimator}")
     if spec.scale:
         parts.append(spec.scale)
-    if spec.clip != 1.0 and "ste_sign" in (spec.ste, spec.activation_estimator):
-        parts.append(f"clip={spec.clip:g}")
+    if spec.weights and spec.ste == "ste_sign" and spec.clip != 1.0:
+        parts.append("clip=none" if spec.clip is None else f"clip={spec.clip:g}")
+    if spec.activation_estimator == "ste_sign" and spec.activation_clip != spec.clip:
+        parts.append("act_clip=none" if spec.activation_clip is None
+                     else f"act_clip={spec.activation_clip:g}")
+    if "swish_sign" in (spec.ste, spec.activation_estimator) and spec.beta != 5.0:
+        parts.append(f"beta={spec.beta:g}")
+    if spec.pad_value:
+        parts.append("pad=1")
     return " ".join(parts)
 
 

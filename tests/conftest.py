@@ -40,18 +40,20 @@ def np_sign(t):
     return np.where(t >= 0, 1.0, -1.0)
 
 
-def np_estimator_grad(name, t, clip):
-    """e'(t) written out in NumPy (docs/design.md)."""
+def np_estimator_grad(name, t, clip, beta=5.0):
+    """e'(t) written out in NumPy (docs/design.md); clip None: no mask."""
     if name == "ste_sign":
-        return (np.abs(t) <= clip).astype(float)
+        return np.ones_like(t, float) if clip is None else (np.abs(t) <= clip).astype(float)
     if name == "approx_sign":
         return np.where(np.abs(t) <= 1, 2 - 2 * np.abs(t), 0.0)
-    b = 5.0
-    return b * (2 - b * t * np.tanh(b * t / 2)) / (1 + np.cosh(b * t))
+    b = beta
+    with np.errstate(over="ignore"):
+        return b * (2 - b * t * np.tanh(b * t / 2)) / (1 + np.cosh(b * t))
 
 
 def spec_kwargs(spec):
-    return dict(activations=spec.activations, scale=spec.scale, ste=spec.ste, clip=spec.clip)
+    """Every field of a BinarySpec, as keywords for mark_binary / binary_scope."""
+    return spec.to_config()
 
 
 def assert_close(actual, expected, dtype=tf.float32, what=""):

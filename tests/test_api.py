@@ -11,7 +11,7 @@ import tensorflow as tf
 from tensorflow.python.framework import ops
 
 import tapehook
-from tapehook import compat, conv2d, kernels, patches, registry
+from tapehook import compat, gradient, kernels, patches, registry
 from conftest import assert_close, random_inputs, reference_result, upstream
 
 
@@ -73,7 +73,7 @@ def test_mark_rejects_what_cannot_be_a_binary_filter(obj, needle):
 
 
 def test_mark_rejects_unknown_spec_keys():
-    with pytest.raises(tapehook.TapehookError, match="takes activations, scale, ste and clip"):
+    with pytest.raises(tapehook.TapehookError, match="takes activations, scale, ste, clip"):
         tapehook.mark_binary(tf.Variable(tf.ones([1, 1, 1, 1])), estimator="ste_sign")
 
 
@@ -211,9 +211,9 @@ def test_four_threads_train_different_variables():
 def test_registry_structure_is_there_and_overridden():
     entry = ops._gradient_registry._registry["Conv2D"]
     assert set(entry) >= {"type", "location"}
-    assert entry["type"] is conv2d.conv2d_grad
-    assert ops._gradient_registry.lookup("Conv2D") is conv2d.conv2d_grad
-    assert ops._gradient_registry.lookup(conv2d.BINARY_OP) is conv2d.binary_conv2d_op_grad
+    assert entry["type"] is gradient.conv2d_grad
+    assert ops._gradient_registry.lookup("Conv2D") is gradient.conv2d_grad
+    assert ops._gradient_registry.lookup(kernels.BINARY_OP) is gradient.binary_conv2d_op_grad
 
 
 def test_missing_registry_structure_fails_loudly(monkeypatch):
@@ -244,11 +244,11 @@ def test_changed_tf_internals_fail_at_import_with_nothing_patched(
         with pytest.raises(tapehook.TapehookError, match=f"TensorFlow {tf.__version__}.*{needle}"):
             patches.install()
         assert not patches.installed()
-        assert registry.registered_gradient("Conv2D") is not conv2d.conv2d_grad
+        assert registry.registered_gradient("Conv2D") is not gradient.conv2d_grad
     finally:
         monkeypatch.undo()
         patches.install()
-    assert registry.registered_gradient("Conv2D") is conv2d.conv2d_grad
+    assert registry.registered_gradient("Conv2D") is gradient.conv2d_grad
 
 
 def test_kernel_info_reports_loaded_library():

@@ -20,8 +20,9 @@ CC = ROOT / "cc_kernels"
 # One arch keeps the test quick; the real build adds sm_80 and sm_90.
 TEST_ARCHS = ("75",)
 
-pytestmark = pytest.mark.skipif(cuda_build.find_nvcc() is None,
-                                reason=str(cuda_build.cuda_unavailable_reason()))
+pytestmark = pytest.mark.skipif(
+    cuda_build.find_nvcc() is None, reason=str(cuda_build.cuda_unavailable_reason())
+)
 
 
 def _start(cmd):
@@ -40,15 +41,32 @@ def host_builds(tmp_path_factory):
     includes, _ = cuda_build.toolkit_dirs(cuda_build.find_nvcc())
     compile_flags, _ = kernels.build_flags(CC)
     return {
-        "tile_test": (tile_test, _start([
-            cuda_build.find_nvcc(), "-std=c++17", "-O2", f"-I{CC}",
-            str(CC / "cuda/harness/tile_logic_test.cu"), str(CC / "core/binary_conv.cc"),
-            str(CC / "core/amx_conv.cc"),
-            "-o", str(tile_test)])),
+        "tile_test": (
+            tile_test,
+            _start(
+                [
+                    cuda_build.find_nvcc(),
+                    "-std=c++17",
+                    "-O2",
+                    f"-I{CC}",
+                    str(CC / "cuda/harness/tile_logic_test.cu"),
+                    *map(str, sorted((CC / "core").glob("*.cc"))),
+                    "-o",
+                    str(tile_test),
+                ]
+            ),
+        ),
         # As a CUDA build of TF compiles binary_conv_ops_gpu.cc (compile_cuda's flags).
-        "gpu_wrapper": _start(["g++", *compile_flags, "-DGOOGLE_CUDA=1",
-                               *(f"-I{d}" for d in includes), "-fsyntax-only",
-                               str(CC / "tf/binary_conv_ops_gpu.cc")]),
+        "gpu_wrapper": _start(
+            [
+                "g++",
+                *compile_flags,
+                "-DGOOGLE_CUDA=1",
+                *(f"-I{d}" for d in includes),
+                "-fsyntax-only",
+                str(CC / "tf/binary_conv_ops_gpu.cc"),
+            ]
+        ),
     }
 
 
@@ -62,30 +80,33 @@ def test_cuda_objects_link_with_the_returned_flags(cuda_objects, tmp_path):
     objects, _, link_flags = cuda_objects
     assert [o.name for o in objects] == [f"cuda_{p.stem}.o" for p in cuda_build.cuda_sources(CC)]
     lib = tmp_path / "libcuda_only.so"
-    subprocess.run(["g++", "-shared", *map(str, objects), "-o", str(lib), *link_flags,
-                    "-Wl,--no-undefined"], check=True)
-    symbols = subprocess.run(["nm", "-D", "-C", str(lib)], capture_output=True, text=True,
-                             check=True).stdout
-    for name in ("BinaryConv2DForward", "BinaryConv2DBackpropInput",
-                 "BinaryConv2DBackpropFilter"):
+    subprocess.run(
+        ["g++", "-shared", *map(str, objects), "-o", str(lib), *link_flags, "-Wl,--no-undefined"],
+        check=True,
+    )
+    symbols = subprocess.run(
+        ["nm", "-D", "-C", str(lib)], capture_output=True, text=True, check=True
+    ).stdout
+    for name in ("BinaryConv2DForward", "BinaryConv2DBackpropInput", "BinaryConv2DBackpropFilter"):
         assert f"tapehook::cuda::{name}(" in symbols
 
 
 def test_harness_library_builds_and_loads(cuda_objects, tmp_path):
-    spec = importlib.util.spec_from_file_location("cuda_harness",
-                                                  ROOT / "bench" / "cuda_harness.py")
+    spec = importlib.util.spec_from_file_location(
+        "cuda_harness", ROOT / "bench" / "cuda_harness.py"
+    )
     harness = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(harness)
-    lib = cuda_build.build_harness(CC, tmp_path / "libharness.so", archs=TEST_ARCHS,
-                                   cuda_objects=cuda_objects[0])
+    lib = cuda_build.build_harness(
+        CC, tmp_path / "libharness.so", archs=TEST_ARCHS, cuda_objects=cuda_objects[0]
+    )
     h = harness.Harness(lib)
     s = h.shape(1, 5, 5, 2, 3, 1, 2, 1, "EXPLICIT", (1, 1, 1, 1))
     assert (s.out_h, s.out_w, s.pad_top, s.pad_left) == (3, 3, 1, 1)
     x, w = np.ones((1, 5, 5, 2), np.float32), -np.ones((3, 3, 2, 1), np.float32)
     y = np.zeros((1, 3, 3, 1), np.float32)
     h.lib.th_cpu_forward(s, x.ctypes.data, w.ctypes.data, 1, 0, y.ctypes.data)
-    np.testing.assert_array_equal(y[0, :, :, 0], -2 * np.array([[4, 6, 4], [6, 9, 6],
-                                                                [4, 6, 4]]))
+    np.testing.assert_array_equal(y[0, :, :, 0], -2 * np.array([[4, 6, 4], [6, 9, 6], [4, 6, 4]]))
 
 
 def test_tile_logic_matches_cpu_core(host_builds):

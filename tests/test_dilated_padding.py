@@ -104,3 +104,29 @@ def test_keras_dilated_layers_issue_examples(layer):
     for y in (model(x), model.predict(x, verbose=0), tf.function(model)(x)):
         first_row = np.asarray(y)[0, 0, :, 0] if layer != "Conv1D" else np.asarray(y)[0, :, 0]
         np.testing.assert_array_equal(first_row, expected)
+
+
+@pytest.mark.parametrize("pad_value", [0.0, 1.0])
+@pytest.mark.parametrize("dilation", [1, 2])
+def test_causal_conv1d_pads_x_hat_not_x(dilation, pad_value):
+    """Keras pads a causal Conv1D's float input with zeros; a binary one pads
+    x_hat with pad_value (larq quantizes before the layer pads)."""
+    x = np.random.default_rng(8).normal(size=(2, 7, 3)).astype(np.float32)
+    conv = keras.layers.Conv1D(4, 3, padding="causal", dilation_rate=dilation,
+                               use_bias=False)
+    model = tapehook.binarize(keras.Sequential([keras.Input((7, 3)), conv]),
+                              activations=True, pad_value=pad_value)
+    w0 = conv.kernel.numpy().astype(np.float64)
+    g = np.ones((2, 7, 4))
+    spec = tapehook.binary_spec_of(conv.kernel)
+    ey, edx, _ = numpy_binary_conv(x[:, None].astype(np.float64), w0[None], g[:, None], spec,
+                                   1, (0, 0, 2 * dilation, 0), dilation)
+    for run in (lambda t: model(t), tf.function(lambda t: model(t))):
+        xt = tf.constant(x)
+        with tf.GradientTape() as tape:
+            tape.watch(xt)
+            y = run(xt)
+        assert_close(y, ey[:, 0], tf.float32, "forward")
+        assert_close(tape.gradient(y, xt), edx[:, 0], tf.float32, "dX")
+    np.testing.assert_allclose(model.predict(x, verbose=0), ey[:, 0], atol=1e-4)
+    assert conv.padding == "causal"

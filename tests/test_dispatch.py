@@ -1,10 +1,12 @@
 """The dispatcher's documented choices (tapehook/dispatch.py) and their results."""
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
 import tapehook
-from tapehook import compat
+from tapehook import compat, dispatch, kernels
+
 from conftest import MODES, assert_close, random_inputs, reference_result, upstream
 
 NONE = dict(forward=0, backprop_input=0, backprop_filter=0)
@@ -15,41 +17,53 @@ FWD_ONLY = dict(forward=1, backprop_input=0, backprop_filter=0)
 BACKPROPS = dict(forward=0, backprop_input=1, backprop_filter=1)
 
 
+@pytest.fixture
+def switches():
+    """Pins the kernels' TAPEHOOK_NO_* switches (set_switches_for_test), and
+    puts the environment's back afterwards."""
+    yield kernels.set_switches_for_test
+    kernels.set_switches_for_test(None, None, None)
+
+
 @pytest.mark.parametrize("amx", [False, True])
-@pytest.mark.parametrize("activations,dilation,stride,without_amx,with_amx", [
-    # weight-only: stock; on AMX (stride 1) all kernels
-    (False, 1, 1, (NONE, ONE), (ONE, NONE)),
-    # bitpacked forward; backprops stock, or AMX kernels
-    (True, 1, 1, (FWD_ONLY, BACKPROPS), (ONE, NONE)),
-    # dilated: kernels
-    (True, 2, 1, (ONE, NONE), (ONE, NONE)),
-    # strided: the AMX kernels take stride 1 only
-    (False, 1, 2, (NONE, ONE), (NONE, ONE)),
-])
+@pytest.mark.parametrize(
+    "activations,dilation,stride,without_amx,with_amx",
+    [
+        # weight-only: stock; on AMX (stride 1) all kernels
+        (False, 1, 1, (NONE, ONE), (ONE, NONE)),
+        # bitpacked forward; backprops stock, or AMX kernels
+        (True, 1, 1, (FWD_ONLY, BACKPROPS), (ONE, NONE)),
+        # dilated: kernels
+        (True, 2, 1, (ONE, NONE), (ONE, NONE)),
+        # strided: the AMX kernels take stride 1 only
+        (False, 1, 2, (NONE, ONE), (NONE, ONE)),
+    ],
+)
 @pytest.mark.parametrize("mode", ["eager", "tape_in_function", "v1_gradients"])
-def test_auto_routes_and_matches_reference(monkeypatch, mode, activations, dilation,
-                                           stride, without_amx, with_amx, amx):
+def test_auto_routes_and_matches_reference(
+    monkeypatch, switches, mode, activations, dilation, stride, without_amx, with_amx, amx
+):
     monkeypatch.setenv("TAPEHOOK_DISPATCH", "auto")
     if amx and not tapehook.kernel_info()["cpu"].get("amx"):
         pytest.skip("this CPU (or build) has no AMX kernels")
     if not amx:
-        monkeypatch.setenv("TAPEHOOK_NO_AMX", "1")
+        switches(no_amx=True)
     compiled, reference = with_amx if amx else without_amx
     if amx and not activations and stride == 1 and compat.onednn_enabled():
         # the weight-only dW stays on oneDNN's backprop-filter
-        compiled, reference = (dict(ONE, backprop_filter=0),
-                               dict(NONE, backprop_filter=1))
+        compiled, reference = (dict(ONE, backprop_filter=0), dict(NONE, backprop_filter=1))
     spec = tapehook.BinarySpec(activations=activations, scale="mean_abs")
     # 2 x 32 x 32 pixels: big enough for every AMX route
     x, w0 = random_inputs((2, 32, 32, 3), (3, 3, 3, 4))
     out = 32 if stride == 1 else 16
     g = upstream((2, out, out, 4), tf.float32)
     conv = dict(padding="SAME", dilations=dilation, strides=stride)
-    y, dx, dw = MODES[mode](x, w0, g, conv,
-                            lambda w: tapehook.mark_binary(w, activations=activations,
-                                                           scale="mean_abs"))
-    ry, rdx, rdw = reference_result(x, w0, spec, g, strides=[1, stride, stride, 1],
-                                    dilations=[1, dilation, dilation, 1])
+    y, dx, dw = MODES[mode](
+        x, w0, g, conv, lambda w: tapehook.mark_binary(w, activations=activations, scale="mean_abs")
+    )
+    ry, rdx, rdw = reference_result(
+        x, w0, spec, g, strides=[1, stride, stride, 1], dilations=[1, dilation, dilation, 1]
+    )
     assert_close(y, ry, what="forward")
     assert_close(dx, rdx, what="dX")
     assert_close(dw, rdw, what="dW")
@@ -57,30 +71,38 @@ def test_auto_routes_and_matches_reference(monkeypatch, mode, activations, dilat
     assert counts["compiled"] == compiled and counts["reference"] == reference
 
 
-@pytest.mark.parametrize("activations,x_shape,w_shape,compiled", [
-    # 1x1: dW on stock (fewer taps than AMX_MIN_TAPS) unless the input was
-    # kept packed; the forward and dX on AMX
-    (False, (2, 16, 16, 3), (1, 1, 3, 4), dict(ONE, backprop_filter=0)),
-    (True, (2, 32, 32, 3), (1, 1, 3, 4), ONE),
-    # fewer pixels than AMX_MIN_PIXELS: stock (the bitpacked forward aside)
-    (False, (1, 10, 10, 3), (3, 3, 3, 4), NONE),
-    (True, (1, 10, 10, 3), (3, 3, 3, 4), dict(NONE, forward=1)),
-    # 7x7 images: a dW from float x (approx_sign keeps x, not bits) on stock,
-    # from packed bits (ste_sign) on the kernels
-    ("approx_sign", (4, 7, 7, 3), (3, 3, 3, 4), dict(ONE, backprop_filter=0)),
-    (True, (4, 7, 7, 3), (3, 3, 3, 4), ONE),
-])
-def test_auto_keeps_small_float_convs_on_stock(monkeypatch, activations, x_shape,
-                                               w_shape, compiled):
+@pytest.mark.parametrize(
+    "activations,x_shape,w_shape,compiled",
+    [
+        # 1x1: dW on stock (fewer taps than AMX_MIN_TAPS) unless the input was
+        # kept packed; the forward and dX on AMX
+        (False, (2, 16, 16, 3), (1, 1, 3, 4), dict(ONE, backprop_filter=0)),
+        (True, (2, 32, 32, 3), (1, 1, 3, 4), ONE),
+        # fewer pixels than AMX_MIN_PIXELS: stock (the bitpacked forward aside)
+        (False, (1, 10, 10, 3), (3, 3, 3, 4), NONE),
+        (True, (1, 10, 10, 3), (3, 3, 3, 4), dict(NONE, forward=1)),
+        # 7x7 images: a dW from float x (approx_sign keeps x, not bits) on stock,
+        # from packed bits (ste_sign) on the kernels
+        ("approx_sign", (4, 7, 7, 3), (3, 3, 3, 4), dict(ONE, backprop_filter=0)),
+        (True, (4, 7, 7, 3), (3, 3, 3, 4), ONE),
+    ],
+)
+def test_auto_keeps_small_float_convs_on_stock(
+    monkeypatch, activations, x_shape, w_shape, compiled
+):
     monkeypatch.setenv("TAPEHOOK_DISPATCH", "auto")
     if not tapehook.kernel_info()["cpu"].get("amx"):
         pytest.skip("this CPU (or build) has no AMX kernels")
     x, w0 = random_inputs(x_shape, w_shape)
     g = upstream(x_shape[:3] + w_shape[3:], tf.float32)
     spec = tapehook.BinarySpec(activations=activations, scale="mean_abs")
-    y, dx, dw = MODES["eager"](x, w0, g, dict(padding="SAME"),
-                               lambda w: tapehook.mark_binary(
-                                   w, activations=activations, scale="mean_abs"))
+    y, dx, dw = MODES["eager"](
+        x,
+        w0,
+        g,
+        dict(padding="SAME"),
+        lambda w: tapehook.mark_binary(w, activations=activations, scale="mean_abs"),
+    )
     ry, rdx, rdw = reference_result(x, w0, spec, g)
     assert_close(y, ry, what="forward")
     assert_close(dx, rdx, what="dX")
@@ -112,8 +134,11 @@ def test_auto_with_unknown_static_shapes(monkeypatch, activations):
     x, w0 = random_inputs((2, 9, 9, 3), (3, 3, 3, 4))
     g = upstream((2, 9, 9, 4), tf.float32)
     w = tapehook.mark_binary(tf.Variable(w0), activations=activations, scale="mean_abs")
-    for signature in ([tf.TensorSpec(None, tf.float32)],
-                      [tf.TensorSpec([None, 9, 9, 3], tf.float32)]):
+    for signature in (
+        [tf.TensorSpec(None, tf.float32)],
+        [tf.TensorSpec([None, 9, 9, 3], tf.float32)],
+    ):
+
         @tf.function(input_signature=signature)
         def step(x):
             with tf.GradientTape() as tape:
@@ -126,3 +151,238 @@ def test_auto_with_unknown_static_shapes(monkeypatch, activations):
         assert_close(y, ry, what="forward")
         assert_close(dx, rdx, what="dX")
         assert_close(dw, rdw, what="dW")
+
+
+# The dispatcher's rule as a table: (op, conv, capabilities, policy / oneDNN)
+# -> STOCK or a plan. No kernels or AMX needed: the capabilities are given.
+AMX = frozenset({"amx", "avx512", "avx2", "portable"})
+NO_AMX = frozenset({"avx512", "avx2", "portable"})
+GEMM = frozenset({"avx2", "portable"})
+SAME = dict(strides=[1, 1, 1, 1], padding="SAME", explicit_paddings=[], dilations=[1, 1, 1, 1])
+DILATED = dict(SAME, dilations=[1, 2, 2, 1])
+EXPLICIT = dict(SAME, padding="EXPLICIT", explicit_paddings=[0, 0, 1, 1, 1, 1, 0, 0])
+BIG, SMALL, TINY_IMAGE = (2, 32, 32, 8), (1, 10, 10, 8), (16, 7, 7, 8)
+K3, K1 = (3, 3, 8, 16), (1, 1, 8, 16)
+FWD, DX, DW = "forward", "backprop_input", "backprop_filter"
+TABLE = [
+    # (op, attrs, x_shape, w_shape, binary_input, packed, capabilities, policy,
+    #  onednn, expected)
+    # policies other than auto
+    (FWD, SAME, SMALL, K3, False, False, AMX, "kernels", True, "amx"),
+    (FWD, SAME, SMALL, K3, True, False, NO_AMX, "kernels", True, "avx512"),
+    (DW, SAME, BIG, K3, False, False, GEMM, "kernels", True, "avx2"),
+    (FWD, SAME, BIG, K3, True, False, AMX, "stock", False, "stock"),
+    (DX, SAME, BIG, K3, True, True, frozenset({"portable"}), "kernels", False, "portable"),
+    # no kernels loaded: stock whatever the policy
+    (FWD, SAME, BIG, K3, True, False, frozenset(), "kernels", False, "stock"),
+    # the bitpacked forward runs everywhere, at the best tier
+    (FWD, SAME, SMALL, K1, True, False, NO_AMX, "auto", True, "avx512"),
+    (FWD, SAME, SMALL, K1, True, False, GEMM, "auto", True, "avx2"),
+    # float-operand convs: AMX when it can run them and they are big enough
+    (FWD, SAME, BIG, K3, False, False, AMX, "auto", True, "amx"),
+    (FWD, SAME, BIG, K3, False, False, NO_AMX, "auto", True, "stock"),
+    (FWD, SAME, SMALL, K3, False, False, AMX, "auto", True, "stock"),
+    (FWD, EXPLICIT, BIG, K3, False, False, AMX, "auto", True, "stock"),
+    (FWD, SAME, None, None, False, False, AMX, "auto", True, "amx"),  # unknown: large
+    (DX, SAME, BIG, K3, True, False, AMX, "auto", True, "amx"),
+    (DX, SAME, BIG, K3, True, False, NO_AMX, "auto", True, "stock"),
+    (DX, SAME, BIG, K1, False, False, AMX, "auto", True, "amx"),  # 1x1 dX wins
+    # dW: 1x1 from floats on stock, from packed bits on AMX
+    (DW, SAME, BIG, K1, True, False, AMX, "auto", True, "stock"),
+    (DW, SAME, BIG, K1, True, True, AMX, "auto", True, "amx"),
+    # dW with x as floats over small images: stock; from packed bits: AMX
+    (DW, SAME, TINY_IMAGE, K3, True, False, AMX, "auto", True, "stock"),
+    (DW, SAME, TINY_IMAGE, K3, True, True, AMX, "auto", True, "amx"),
+    # weight-only dW (float x float): oneDNN's backprop-filter when TF runs it
+    (DW, SAME, BIG, K3, False, False, AMX, "auto", True, "stock"),
+    (DW, SAME, BIG, K3, False, False, AMX, "auto", False, "amx"),
+    # dilated backprops: the kernels (stock CPU backprops reject dilation)
+    (DX, DILATED, SMALL, K3, True, False, NO_AMX, "auto", True, "avx512"),
+    (DW, DILATED, SMALL, K3, False, False, GEMM, "auto", True, "avx2"),
+    (DW, DILATED, BIG, K3, False, False, AMX, "auto", True, "amx"),
+]
+
+
+@pytest.mark.parametrize(
+    "op,attrs,x_shape,w_shape,binary_input,packed,capabilities,policy,onednn,expected", TABLE
+)
+def test_choose_table(
+    op, attrs, x_shape, w_shape, binary_input, packed, capabilities, policy, onednn, expected
+):
+    assert (
+        dispatch.choose(
+            op,
+            policy=policy,
+            capabilities=capabilities,
+            attrs=attrs,
+            x_shape=x_shape,
+            w_shape=w_shape,
+            binary_input=binary_input,
+            packed=packed,
+            onednn=onednn,
+        )
+        == expected
+    )
+
+
+def test_capability_query_follows_switches_and_scope(switches):
+    """The C++ query (kernels.conv_capabilities) on this CPU: the switches
+    take tiers away; AMX never runs strided or float64 convs."""
+    features = tapehook.kernel_info()["cpu"]
+    full = kernels.conv_capabilities(FWD, SAME, "float32", BIG, K3, binary_input=True)
+    assert "portable" in full and "amx" not in full
+    switches(no_avx512=True)
+    assert "avx512" not in kernels.conv_capabilities(
+        FWD, SAME, "float32", BIG, K3, binary_input=True
+    )
+    switches(no_avx2=True)
+    for op in (FWD, DX, DW):
+        assert kernels.conv_capabilities(op, SAME, "float32", BIG, K3) == {"portable"}
+    switches(None, None, None)
+    strided = dict(SAME, strides=[1, 2, 2, 1])
+    for op in (FWD, DX, DW):
+        assert "amx" not in kernels.conv_capabilities(op, strided, "float32", BIG, K3)
+        assert "amx" not in kernels.conv_capabilities(op, SAME, "float64", BIG, K3)
+        assert ("amx" in kernels.conv_capabilities(op, SAME, "float32", BIG, K3)) == bool(
+            features.get("amx")
+        )
+    # dX of AMX needs pad_top <= (k - 1) * dil: 3 leading rows of a 3x3 do not fit
+    wide_pad = dict(EXPLICIT, explicit_paddings=[0, 0, 3, 0, 0, 0, 0, 0])
+    assert "amx" not in kernels.conv_capabilities(DX, wide_pad, "float32", BIG, K3)
+
+
+def _op_attrs(spec, op="forward", **extra):
+    return dict(
+        strides=[1, 1, 1, 1],
+        padding="SAME",
+        explicit_paddings=[],
+        data_format="NHWC",
+        dilations=[1, 1, 1, 1],
+        **spec.op_attrs(op),
+        **extra,
+    )
+
+
+def test_every_runnable_plan_matches_and_others_are_refused(switches):
+    """Each plan the query offers runs and matches the reference (the bitpacked
+    tiers bit for bit); a plan the CPU (or the switches) cannot run is refused
+    with an error naming it, and an unknown plan is rejected."""
+    lib = kernels.library()
+    spec = tapehook.BinarySpec(activations=True, scale="mean_abs")
+    x, w0 = random_inputs((2, 9, 9, 70), (3, 3, 70, 5))
+    g = upstream((2, 9, 9, 5), tf.float32)
+    ry, rdx, rdw = reference_result(x, w0, spec, g)
+    shapes = dict(x_shape=x.shape, w_shape=w0.shape)
+    forward = kernels.conv_capabilities(FWD, SAME, "float32", binary_input=True, **shapes)
+    outputs = {
+        plan: lib.tapehook_binary_conv2d(x, w0, **_op_attrs(spec, plan=plan)) for plan in forward
+    }
+    for plan, y in outputs.items():
+        assert_close(y, ry, what=f"forward [{plan}]")
+        np.testing.assert_array_equal(y.numpy(), outputs["portable"].numpy())
+    for plan in kernels.conv_capabilities(DX, SAME, "float32", binary_input=True, **shapes):
+        assert_close(
+            lib.tapehook_binary_conv2d_backprop_input(
+                x, w0, g, **_op_attrs(spec, "backprop_input", plan=plan)
+            ),
+            rdx,
+            what=f"dX [{plan}]",
+        )
+    for plan in kernels.conv_capabilities(DW, SAME, "float32", binary_input=True, **shapes):
+        assert_close(
+            lib.tapehook_binary_conv2d_backprop_filter(
+                x, w0, g, **_op_attrs(spec, "backprop_filter", plan=plan)
+            ),
+            rdw,
+            what=f"dW [{plan}]",
+        )
+    # the default plan ('') is the best one
+    np.testing.assert_array_equal(
+        lib.tapehook_binary_conv2d(x, w0, **_op_attrs(spec)).numpy(),
+        outputs[dispatch.choose(FWD, policy="kernels", capabilities=forward, attrs=SAME)].numpy(),
+    )
+    switches(no_avx2=True)
+    for plan in ("avx2", "avx512", "amx"):
+        with pytest.raises(
+            tf.errors.FailedPreconditionError,
+            match=f"plan '{plan}' cannot run.*it can run: portable",
+        ):
+            lib.tapehook_binary_conv2d(x, w0, **_op_attrs(spec, plan=plan))
+        with pytest.raises(tf.errors.FailedPreconditionError, match=f"plan '{plan}'"):
+            lib.tapehook_binary_conv2d_backprop_filter(
+                x, w0, g, **_op_attrs(spec, "backprop_filter", plan=plan)
+            )
+    with pytest.raises(tf.errors.InvalidArgumentError, match="unknown plan 'fastest'"):
+        lib.tapehook_binary_conv2d(x, w0, **_op_attrs(spec, plan="fastest"))
+
+
+@pytest.mark.parametrize("activations", [False, True])
+def test_traced_ops_carry_the_chosen_plan(activations):
+    """A tf.function records the dispatcher's choice on its ops, made once at
+    trace time: the best implementation under TAPEHOOK_DISPATCH=kernels."""
+    x, w0 = random_inputs((2, 9, 9, 3), (3, 3, 3, 4))
+    w = tapehook.mark_binary(tf.Variable(w0), activations=activations)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.nn.conv2d(x, w, 1, "SAME")
+        return tape.gradient(y, [x, w])
+
+    graph = step.get_concrete_function(x).graph
+    plans = {}
+    for op in graph.get_operations():
+        if op.type.startswith("TapehookBinaryConv2D"):
+            plans[op.type] = op.get_attr("plan").decode()
+    assert len(plans) == 3, plans
+    for op_type, plan in plans.items():
+        kind = FWD if op_type == "TapehookBinaryConv2D" else DX if "Input" in op_type else DW
+        best = dispatch.choose(
+            kind,
+            policy="kernels",
+            attrs=SAME,
+            capabilities=(
+                kernels.conv_capabilities(
+                    kind, SAME, "float32", x.shape, w0.shape, binary_input=activations
+                )
+            ),
+        )
+        assert plan == best, (op_type, plan, best)
+
+
+def test_graphs_without_plan_or_clip_bits_still_run():
+    """A graph written before the plan and clip_f64_bits attrs existed (its
+    NodeDefs lack them) loads with their defaults and runs as before."""
+    spec = tapehook.BinarySpec(activations=True, scale="mean_abs")
+    x, w0 = random_inputs((2, 9, 9, 3), (3, 3, 3, 4))
+    g = upstream((2, 9, 9, 4), tf.float32)
+    ry, rdx, rdw = reference_result(x, w0, spec, g)
+    lib = kernels.library()
+    attrs = _op_attrs(spec)
+    with tf.Graph().as_default() as graph:
+        xs, ws, gs = (tf.compat.v1.placeholder(tf.float32, t.shape) for t in (x, w0, g))
+        lib.tapehook_binary_conv2d(xs, ws, **attrs, name="y")
+        lib.tapehook_binary_conv2d_backprop_input(
+            xs, ws, gs, **_op_attrs(spec, "backprop_input"), name="dx"
+        )
+        lib.tapehook_binary_conv2d_backprop_filter(
+            xs, ws, gs, **_op_attrs(spec, "backprop_filter"), name="dw"
+        )
+    old = graph.as_graph_def()
+    for node in old.node:
+        for name in ("plan", "clip_f64_bits"):
+            if name in node.attr:
+                del node.attr[name]
+    assert not any("plan" in n.attr for n in old.node)
+    with tf.Graph().as_default() as loaded:
+        tf.graph_util.import_graph_def(old, name="")
+        feeds = {
+            loaded.get_tensor_by_name(f"{n}:0"): v.numpy()
+            for n, v in zip(["Placeholder", "Placeholder_1", "Placeholder_2"], (x, w0, g))
+        }
+        with tf.compat.v1.Session(graph=loaded) as session:
+            y, dx, dw = session.run(["y:0", "dx:0", "dw:0"], feeds)
+    assert_close(y, ry, what="forward")
+    assert_close(dx, rdx, what="dX")
+    assert_close(dw, rdw, what="dW")

@@ -128,7 +128,8 @@ def test_layout_is_the_documented_one(tmp_path):
     kernel, bias = manifest["weights"]
     assert kernel["kind"] == "binary" and kernel["shape"] == [3, 3, 3, 5]
     assert kernel["spec"] == {"activations": True, "scale": "mean_abs",
-                              "ste": "ste_sign", "clip": 1.0}
+                              "ste": "ste_sign", "clip": 1.0, "pad_value": 0.0,
+                              "weights": True, "beta": 5.0, "activation_clip": 1.0}
     w = model.layers[0].kernel.numpy()
     bits = kernel["bits"]
     assert bits["shape"] == [5, 4] and bits["dtype"] == "uint8"  # 27 bits -> 4 bytes

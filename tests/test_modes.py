@@ -13,9 +13,13 @@ from conftest import (MODES, SPEC_IDS, SPECS, assert_close, random_inputs,
 X_SHAPE, W_SHAPE = (2, 7, 6, 3), (3, 3, 3, 5)
 
 
+@pytest.mark.parametrize("policy", ["auto", "kernels"])
 @pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
 @pytest.mark.parametrize("mode", sorted(MODES))
-def test_binary_matches_reference(mode, spec):
+def test_binary_matches_reference(mode, spec, policy, monkeypatch):
+    """Under "auto" (what users run: the dispatcher's choices, stock routes
+    included) and "kernels" (tapehook's kernels everywhere)."""
+    monkeypatch.setenv("TAPEHOOK_DISPATCH", policy)
     x, w0 = random_inputs(X_SHAPE, W_SHAPE, seed=len(mode))
     g = upstream((2, 4, 3, 5), tf.float32)
     conv = {"strides": 2, "padding": "SAME"}
@@ -48,7 +52,7 @@ def test_unmarked_is_stock_bit_for_bit(mode):
     ours = MODES[mode](x, w0, g, conv, lambda w: None)
     patches.uninstall()
     try:
-        assert registry.registered_gradient("Conv2D") is not tapehook.conv2d.conv2d_grad
+        assert registry.registered_gradient("Conv2D") is not tapehook.gradient.conv2d_grad
         stock = MODES[mode](x, w0, g, conv, lambda w: None)
     finally:
         patches.install()

@@ -17,12 +17,21 @@ SEED = int(os.environ.get("TAPEHOOK_PROPERTY_SEED", "20261130"))
 CASES = int(os.environ.get("TAPEHOOK_PROPERTY_CASES", "500"))
 _seen = []
 
-specs = st.builds(
-    tapehook.BinarySpec,
-    activations=st.sampled_from([False, True, "ste_sign", "approx_sign", "swish_sign"]),
-    scale=st.sampled_from([None, "mean_abs"]),
-    ste=st.sampled_from(["ste_sign", "approx_sign", "swish_sign"]),
-    clip=st.sampled_from([0.5, 1.0, 1.7]))
+@st.composite
+def specs(draw):
+    """Every BinarySpec field, the recipe knobs included (weights=False needs a
+    binary input and no scale)."""
+    activations = draw(st.sampled_from([False, True, "ste_sign", "approx_sign",
+                                        "swish_sign"]))
+    weights = True if activations is False else draw(st.sampled_from([True, True, False]))
+    clip = draw(st.sampled_from([0.5, 1.0, 1.7, 0.1, None]))
+    return tapehook.BinarySpec(
+        activations=activations, weights=weights,
+        scale=draw(st.sampled_from([None, "mean_abs"])) if weights else None,
+        ste=draw(st.sampled_from(["ste_sign", "approx_sign", "swish_sign"])),
+        clip=clip, pad_value=draw(st.sampled_from([0.0, 0.0, 1.0])),
+        beta=draw(st.sampled_from([5.0, 5.0, 2.5])),
+        activation_clip=draw(st.sampled_from([clip, clip, 0.6, None])))
 
 
 @st.composite
@@ -37,7 +46,7 @@ def convs(draw):
         batch=draw(st.integers(1, 3)), h=draw(st.integers(min_h, min_h + 7)),
         w=draw(st.integers(min_w, min_w + 7)), cin=draw(st.integers(1, 9)),
         cout=draw(st.integers(1, 9)), kh=kh, kw=kw, stride=stride, dil=dil,
-        padding=padding, pads=pads, spec=draw(specs),
+        padding=padding, pads=pads, spec=draw(specs()),
         dtype=draw(st.sampled_from([tf.float32, tf.float32, tf.float64, tf.float16])),
         mode=draw(st.sampled_from(["eager", "function", "v1_graph"])),
         seed=draw(st.integers(0, 2**31 - 1)))
@@ -52,8 +61,7 @@ def _run(c, x, w0, g, strides, padding, dilations):
             loss = tf.reduce_sum(tf.cast(y, tf.float64) * g)
         return (y, *tape.gradient(loss, [x, w]))
 
-    mark = dict(activations=c["spec"].activations, scale=c["spec"].scale,
-                ste=c["spec"].ste, clip=c["spec"].clip)
+    mark = c["spec"].to_config()
     if c["mode"] == "v1_graph":
         with tf.Graph().as_default() as graph:
             w = tapehook.mark_binary(tf.Variable(w0.numpy()), **mark)

@@ -12,7 +12,8 @@ from conftest import (MODES, SPEC_IDS, SPECS, assert_close, np_estimator_grad, n
 
 
 def numpy_binary_conv(x, w, g, spec, stride, pads, dil):
-    """y, dx, dw by explicit loops over output pixels and taps."""
+    """y, dx, dw by explicit loops over output pixels and taps; a tap in the
+    padding reads x_hat = spec.pad_value."""
     n, h, wd, cin = x.shape
     kh, kw, _, cout = w.shape
     pt, pb, pl, pr = pads
@@ -21,7 +22,8 @@ def numpy_binary_conv(x, w, g, spec, stride, pads, dil):
     act = spec.activation_estimator
     xh = np_sign(x) if act else x
     alpha = np.abs(w).mean(axis=(0, 1, 2)) if spec.scale == "mean_abs" else np.ones(cout)
-    what = np_sign(w) * alpha
+    what = np_sign(w) * alpha if spec.weights else w
+    pad = np.full(cin, spec.pad_value)
     y = np.zeros((n, oh, ow, cout))
     dxh = np.zeros_like(x)
     dwh = np.zeros_like(w)
@@ -35,8 +37,12 @@ def numpy_binary_conv(x, w, g, spec, stride, pads, dil):
                             y[b, i, j] += xh[b, r, s] @ what[a, c]
                             dxh[b, r, s] += what[a, c] @ g[b, i, j]
                             dwh[a, c] += np.outer(xh[b, r, s], g[b, i, j])
-    dx = dxh * np_estimator_grad(act, x, spec.clip) if act else dxh
-    dw = dwh * alpha * np_estimator_grad(spec.ste, w, spec.clip)
+                        else:  # a padded tap
+                            y[b, i, j] += pad @ what[a, c]
+                            dwh[a, c] += np.outer(pad, g[b, i, j])
+    dx = dxh * np_estimator_grad(act, x, spec.activation_clip, spec.beta) if act else dxh
+    dw = (dwh * alpha * np_estimator_grad(spec.ste, w, spec.clip, spec.beta)
+          if spec.weights else dwh)
     return y, dx, dw
 
 

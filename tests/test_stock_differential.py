@@ -179,6 +179,8 @@ def _init(seed):
 LAYER_CASES = [
     _layer_case("keras.Conv1D", lambda: keras.layers.Conv1D(
         4, 3, padding="same", dilation_rate=2, kernel_initializer=_init(1)), X1),
+    _layer_case("keras.Conv1D_causal", lambda: keras.layers.Conv1D(
+        4, 3, padding="causal", dilation_rate=2, kernel_initializer=_init(11)), X1),
     _layer_case("keras.Conv2D", lambda: keras.layers.Conv2D(
         4, 3, strides=2, padding="same", kernel_initializer=_init(2),
         bias_initializer=_init(3)), X2),

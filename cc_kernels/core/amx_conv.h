@@ -26,17 +26,19 @@
 #include <memory>
 
 #include "binary_conv.h"
+#include "plan.h"
 
 namespace tapehook {
 namespace amx {
 
-// True when the CPU has AMX-TILE, AMX-BF16 and AVX-512, Linux granted this
-// process the AMX tile state, and neither TAPEHOOK_NO_AMX nor
-// TAPEHOOK_NO_AVX2 is set to something other than "0" (read on each call,
-// so a test can flip them).
+// True when the AMX kernels may run here (cpu::Amx(), cpu.h) and this
+// compiler built them.
 bool Usable();
 
-// Whether the AMX kernels take this geometry (ignores Usable()).
+// Whether the AMX kernels take this conv (ignores Usable(); sizes of -1 count
+// as taken). The one statement of their scope: Capabilities() (plan.h) asks
+// it, and so do the Supports* of a known shape below.
+bool Supports(const ConvQuery& q);
 bool SupportsForward(const ConvShape& s);
 bool SupportsBackpropInput(const ConvShape& s);
 bool SupportsBackpropFilter(const ConvShape& s);

@@ -17,47 +17,11 @@
 #include <string>
 #include <vector>
 
+#include "estimator.h"
+#include "geometry.h"
+#include "plan.h"
+
 namespace tapehook {
-
-// Pseudo-derivative of sign used in the backward pass.
-enum class Estimator : int {
-  kNone = 0,    // not binarized (float input); derivative 1
-  kSteSign = 1,     // 1{|t| <= clip}
-  kApproxSign = 2,  // (2 - 2|t|) * 1{|t| <= 1}
-  kSwishSign = 3,   // beta (2 - beta t tanh(beta t / 2)) / (1 + cosh(beta t)), beta = 5
-};
-
-enum class Scale : int { kNone = 0, kMeanAbs = 1 };
-
-// Parses "none" / "ste_sign" / "approx_sign" / "swish_sign"; false if unknown.
-bool ParseEstimator(const std::string& name, Estimator* out);
-bool ParseScale(const std::string& name, Scale* out);
-
-// e'(t) for an estimator (kNone gives 1).
-double EstimatorGrad(Estimator e, double t, double clip);
-
-// Geometry of one NHWC convolution. pad_top / pad_left are the zero rows and
-// columns before the input; bottom / right padding is implied by out_h / out_w.
-struct ConvShape {
-  int64_t batch = 0, in_h = 0, in_w = 0, in_c = 0;
-  int64_t k_h = 0, k_w = 0, out_c = 0;
-  int64_t out_h = 0, out_w = 0;
-  int64_t stride_h = 1, stride_w = 1, dil_h = 1, dil_w = 1;
-  int64_t pad_top = 0, pad_left = 0;
-};
-
-enum class Padding : int { kSame = 0, kValid = 1, kExplicit = 2 };
-
-// Fills out_h/out_w/pad_top/pad_left the way TensorFlow's Conv2D does.
-// explicit_* are used only for kExplicit. Returns "" or an error message.
-std::string ComputeConvGeometry(Padding padding, int64_t pad_t, int64_t pad_b,
-                                int64_t pad_l, int64_t pad_r, ConvShape* s);
-
-// Runs fn(begin, end) over [0, total) split into shards; cost_per_unit is a
-// rough cycle count of one unit. The TF wrapper passes TF's CPU thread pool.
-using ParallelFor = std::function<void(
-    int64_t total, int64_t cost_per_unit,
-    const std::function<void(int64_t, int64_t)>& fn)>;
 
 // alpha[out_c] = mean |W[:, :, :, o]| as floats for Scale::kMeanAbs (what
 // the AMX kernels take), empty for Scale::kNone.
@@ -70,11 +34,15 @@ inline const float* AlphaOrNull(const std::vector<float>& alpha) {
   return alpha.empty() ? nullptr : alpha.data();
 }
 
+// Every entry point runs the implementation `impl` (plan.h), which the
+// caller chose from Capabilities(); kBest: SelectBest's.
+
 // y[batch, out_h, out_w, out_c] = conv2d(x_hat, W_hat).
 template <typename T>
 void BinaryConv2DForward(const ConvShape& s, const T* x, const T* w,
                          bool binary_input, Scale scale, T* y,
-                         const ParallelFor& parallel_for);
+                         const ParallelFor& parallel_for,
+                         Impl impl = Impl::kBest);
 
 // The filter side of the fully binary forward (BinaryConv2DForward with
 // binary_input): W's signs packed 64 input channels to a word, each tap's
@@ -86,7 +54,7 @@ template <typename T>
 struct BitFilter {
   int64_t k_h = 0, k_w = 0, in_c = 0, out_c = 0;
   Scale scale = Scale::kNone;
-  int isa = 0;  // the tier that packed it
+  int isa = 0;  // the tier that packed it (binary_conv.cc's BitIsa)
   int64_t n_pad = 0;
   std::vector<uint64_t> words;     // [taps * words per pixel][n_pad]
   std::vector<int32_t> tap_count;  // [taps][out_c]
@@ -95,12 +63,13 @@ struct BitFilter {
 
 template <typename T>
 BitFilter<T> PackBitFilter(const ConvShape& s, const T* w, Scale scale,
-                           const ParallelFor& parallel_for);
+                           const ParallelFor& parallel_for,
+                           Impl impl = Impl::kBest);
 
-// Whether f serves a conv of geometry s with this scale on the CPU tier the
-// kernels pick now (the TAPEHOOK_NO_* switches are read on each call).
+// Whether f serves a conv of geometry s with this scale on impl's tier.
 template <typename T>
-bool BitFilterFits(const BitFilter<T>& f, const ConvShape& s, Scale scale);
+bool BitFilterFits(const BitFilter<T>& f, const ConvShape& s, Scale scale,
+                   Impl impl = Impl::kBest);
 
 // BinaryConv2DForward(s, x, w, /*binary_input=*/true, scale, y) given
 // f = PackBitFilter(s, w, scale) with BitFilterFits(f, s, scale): the same
@@ -115,14 +84,16 @@ template <typename T>
 void BinaryConv2DBackpropInput(const ConvShape& s, const T* x, const T* w,
                                const T* dy, Estimator act_est, double clip,
                                Scale scale, T* dx,
-                               const ParallelFor& parallel_for);
+                               const ParallelFor& parallel_for,
+                               Impl impl = Impl::kBest);
 
 // dw[k_h, k_w, in_c, out_c]. act_est == kNone means the input is float.
 template <typename T>
 void BinaryConv2DBackpropFilter(const ConvShape& s, const T* x, const T* w,
-                                const T* dy, Estimator act_est,
-                                Estimator w_est, double clip, Scale scale,
-                                T* dw, const ParallelFor& parallel_for);
+                                const T* dy, Estimator act_est, Estimator w_est,
+                                double clip, Scale scale, T* dw,
+                                const ParallelFor& parallel_for,
+                                Impl impl = Impl::kBest);
 
 }  // namespace tapehook
 

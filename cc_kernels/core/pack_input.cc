@@ -1,11 +1,11 @@
 #include "pack_input.h"
 
-#include "amx_conv.h"
-
 #include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#include "cpu.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -24,7 +24,8 @@ void PackRowPortable(const T* in, int64_t channels, T limit, uint8_t* out) {
     for (int64_t i = 0; i < 4; ++i) {
       const int64_t c = 4 * b + i;
       const unsigned bits =
-          c < channels ? ((in[c] >= T(0)) << 1) | (std::abs(in[c]) <= limit) : 0;
+          c < channels ? ((in[c] >= T(0)) << 1) | (std::abs(in[c]) <= limit)
+                       : 0;
       byte |= bits << (6 - 2 * i);
     }
     out[b] = static_cast<uint8_t>(byte);
@@ -49,9 +50,9 @@ const PairReverseTable kPairReversed;
 // interleaves them into (sign, mask) pairs, the table puts each byte's four
 // pairs in the format's order.
 __attribute__((target("avx512f,bmi2"))) void PackRow512(const float* in,
-                                                         int64_t channels,
-                                                         float limit,
-                                                         uint8_t* out) {
+                                                        int64_t channels,
+                                                        float limit,
+                                                        uint8_t* out) {
   const __m512 lim = _mm512_set1_ps(limit);
   const __m512i abs_bits = _mm512_set1_epi32(0x7FFFFFFF);
   int64_t c = 0;
@@ -59,8 +60,8 @@ __attribute__((target("avx512f,bmi2"))) void PackRow512(const float* in,
     const __m512 v = _mm512_loadu_ps(in + c);
     const unsigned sign =
         _mm512_cmp_ps_mask(v, _mm512_setzero_ps(), _CMP_GE_OQ);
-    const __m512 a = _mm512_castsi512_ps(
-        _mm512_and_si512(_mm512_castps_si512(v), abs_bits));
+    const __m512 a =
+        _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), abs_bits));
     const unsigned mask = _mm512_cmp_ps_mask(a, lim, _CMP_LE_OQ);
     const uint32_t pairs =
         _pdep_u32(sign, 0xAAAAAAAAu) | _pdep_u32(mask, 0x55555555u);
@@ -83,8 +84,7 @@ void PackSignMask(const T* x, int64_t rows, int64_t channels, double clip,
   const T limit = static_cast<T>(clip);
   bool wide = false;
 #if TAPEHOOK_HAVE_PACK512
-  wide = std::is_same<T, float>::value && __builtin_cpu_supports("avx512f") &&
-         __builtin_cpu_supports("bmi2");
+  wide = std::is_same<T, float>::value && cpu::PackInput512();
 #endif
   parallel_for(rows, channels * 2, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -104,8 +104,7 @@ void PackSignMask(const T* x, int64_t rows, int64_t channels, double clip,
 namespace {
 
 template <typename T>
-void UnpackRowPortable(const uint8_t* in, int64_t channels, T* x_hat,
-                       T* mask) {
+void UnpackRowPortable(const uint8_t* in, int64_t channels, T* x_hat, T* mask) {
   for (int64_t c = 0; c < channels; ++c) {
     const int bits = (in[c / 4] >> (6 - 2 * static_cast<int>(c % 4))) & 3;
     x_hat[c] = (bits & 2) ? T(1) : T(-1);
@@ -132,9 +131,9 @@ struct UnpackTable {
 const UnpackTable kNibbles;
 
 __attribute__((target("avx512f"))) void UnpackRow512(const uint8_t* in,
-                                                      int64_t channels,
-                                                      float* x_hat,
-                                                      float* mask) {
+                                                     int64_t channels,
+                                                     float* x_hat,
+                                                     float* mask) {
   const __m512 one = _mm512_set1_ps(1.0f), minus_one = _mm512_set1_ps(-1.0f);
   int64_t c = 0;
   for (; c + 16 <= channels; c += 16) {
@@ -144,8 +143,9 @@ __attribute__((target("avx512f"))) void UnpackRow512(const uint8_t* in,
       sign |= (n & 15u) << (4 * j);
       keep |= (n >> 4) << (4 * j);
     }
-    _mm512_storeu_ps(x_hat + c, _mm512_mask_blend_ps(
-                                    static_cast<__mmask16>(sign), minus_one, one));
+    _mm512_storeu_ps(
+        x_hat + c,
+        _mm512_mask_blend_ps(static_cast<__mmask16>(sign), minus_one, one));
     _mm512_storeu_ps(mask + c,
                      _mm512_maskz_mov_ps(static_cast<__mmask16>(keep), one));
   }
@@ -161,7 +161,7 @@ void UnpackSignMask(const uint8_t* packed, int64_t rows, int64_t channels,
   const int64_t bytes = PackedBytes(channels);
   bool wide = false;
 #if TAPEHOOK_HAVE_PACK512
-  wide = std::is_same<T, float>::value && __builtin_cpu_supports("avx512f");
+  wide = std::is_same<T, float>::value && cpu::UnpackInput512();
 #endif
   parallel_for(rows, channels * 2, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -179,78 +179,6 @@ void UnpackSignMask(const uint8_t* packed, int64_t rows, int64_t channels,
     }
   });
 }
-
-namespace {
-
-// A float input with the packed signs and masks: +-clip where the mask is
-// set, +-(2 clip + 1) where not, so sign() and 1{|t| <= clip} give them back.
-template <typename T>
-std::vector<T> StandIn(const ConvShape& s, const uint8_t* packed, double clip,
-                       const ParallelFor& parallel_for) {
-  const int64_t rows = s.batch * s.in_h * s.in_w, channels = s.in_c;
-  std::vector<T> x_hat(rows * channels), mask(rows * channels);
-  UnpackSignMask(packed, rows, channels, x_hat.data(), mask.data(),
-                 parallel_for);
-  const T in = static_cast<T>(clip), out = static_cast<T>(2 * clip + 1);
-  for (int64_t i = 0; i < rows * channels; ++i) {
-    x_hat[i] *= mask[i] != T(0) ? in : out;
-  }
-  return x_hat;
-}
-
-}  // namespace
-
-template <typename T>
-void BinaryConv2DBackpropInputPacked(const ConvShape& s, const uint8_t* packed,
-                                     const T* w, const T* dy, double clip,
-                                     Scale scale, T* dx,
-                                     const ParallelFor& parallel_for) {
-  if constexpr (std::is_same<T, float>::value) {
-    if (amx::Usable() && amx::SupportsBackpropInput(s)) {
-      const std::vector<float> a = FilterAlphaFloats(s, w, scale);
-      if (amx::BackpropInputPacked(s, packed, w, dy, AlphaOrNull(a),
-                                   dx, parallel_for)) {
-        return;
-      }
-    }
-  }
-  const std::vector<T> x = StandIn<T>(s, packed, clip, parallel_for);
-  BinaryConv2DBackpropInput(s, x.data(), w, dy, Estimator::kSteSign, clip,
-                            scale, dx, parallel_for);
-}
-
-template <typename T>
-void BinaryConv2DBackpropFilterPacked(const ConvShape& s, const uint8_t* packed,
-                                      const T* w, const T* dy, Estimator w_est,
-                                      double clip, Scale scale, T* dw,
-                                      const ParallelFor& parallel_for) {
-  if constexpr (std::is_same<T, float>::value) {
-    if (amx::Usable() && amx::SupportsBackpropFilter(s)) {
-      const std::vector<float> a = FilterAlphaFloats(s, w, scale);
-      if (amx::BackpropFilterPacked(s, packed, w, dy, w_est, clip,
-                                    AlphaOrNull(a), dw,
-                                    parallel_for)) {
-        return;
-      }
-    }
-  }
-  const std::vector<T> x = StandIn<T>(s, packed, clip, parallel_for);
-  BinaryConv2DBackpropFilter(s, x.data(), w, dy, Estimator::kSteSign, w_est,
-                             clip, scale, dw, parallel_for);
-}
-
-template void BinaryConv2DBackpropInputPacked<float>(
-    const ConvShape&, const uint8_t*, const float*, const float*, double,
-    Scale, float*, const ParallelFor&);
-template void BinaryConv2DBackpropInputPacked<double>(
-    const ConvShape&, const uint8_t*, const double*, const double*, double,
-    Scale, double*, const ParallelFor&);
-template void BinaryConv2DBackpropFilterPacked<float>(
-    const ConvShape&, const uint8_t*, const float*, const float*, Estimator,
-    double, Scale, float*, const ParallelFor&);
-template void BinaryConv2DBackpropFilterPacked<double>(
-    const ConvShape&, const uint8_t*, const double*, const double*, Estimator,
-    double, Scale, double*, const ParallelFor&);
 
 template void PackSignMask<float>(const float*, int64_t, int64_t, double,
                                   uint8_t*, const ParallelFor&);

@@ -24,22 +24,6 @@ template <typename T>
 void UnpackSignMask(const uint8_t* packed, int64_t rows, int64_t channels,
                     T* x_hat, T* mask, const ParallelFor& parallel_for);
 
-// Backprops of a binary-activation conv with the ste_sign input estimator,
-// its input given as packed sign / mask bits (what the backward keeps):
-// the same results as BinaryConv2DBackpropInput / Filter on x with
-// act_est = kSteSign. On AMX (float) the kernels read the bits directly;
-// elsewhere a float stand-in for x with the same signs and masks is built.
-template <typename T>
-void BinaryConv2DBackpropInputPacked(const ConvShape& s, const uint8_t* packed,
-                                     const T* w, const T* dy, double clip,
-                                     Scale scale, T* dx,
-                                     const ParallelFor& parallel_for);
-template <typename T>
-void BinaryConv2DBackpropFilterPacked(const ConvShape& s, const uint8_t* packed,
-                                      const T* w, const T* dy, Estimator w_est,
-                                      double clip, Scale scale, T* dw,
-                                      const ParallelFor& parallel_for);
-
 }  // namespace tapehook
 
 #endif  // TAPEHOOK_CORE_PACK_INPUT_H_

@@ -2,12 +2,13 @@
 //
 // The library is built without -mavx2, so it loads on any x86-64 (and other)
 // CPU: each function here carries a target attribute and binary_conv.cc calls
-// it only after Avx2Usable() said yes at run time.
+// it only on a plan of the AVX2 tier (plan.h), which Capabilities() offers
+// only where cpu::Avx2() (cpu.h) says the CPU has it.
 #ifndef TAPEHOOK_CORE_SIMD_AVX2_H_
 #define TAPEHOOK_CORE_SIMD_AVX2_H_
 
-#include <cstdint>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -20,20 +21,6 @@
 
 namespace tapehook {
 namespace simd {
-
-// True when the CPU has AVX2, FMA and POPCNT and TAPEHOOK_NO_AVX2 is unset
-// (or "0"). The variable is read on every call so a test can flip it.
-inline bool Avx2Usable() {
-#if TAPEHOOK_HAVE_AVX2_PATH
-  static const bool cpu = __builtin_cpu_supports("avx2") &&
-                          __builtin_cpu_supports("fma") &&
-                          __builtin_cpu_supports("popcnt");
-  const char* off = std::getenv("TAPEHOOK_NO_AVX2");
-  return cpu && !(off != nullptr && off[0] != '\0' && off[0] != '0');
-#else
-  return false;
-#endif
-}
 
 #if TAPEHOOK_HAVE_AVX2_PATH
 
@@ -65,17 +52,14 @@ TAPEHOOK_AVX2 inline __m256d Fma(__m256d a, __m256d b, __m256d c) {
   return _mm256_fmadd_pd(a, b, c);
 }
 TAPEHOOK_AVX2 inline __m256 Zero(const float*) { return _mm256_setzero_ps(); }
-TAPEHOOK_AVX2 inline __m256d Zero(const double*) {
-  return _mm256_setzero_pd();
-}
+TAPEHOOK_AVX2 inline __m256d Zero(const double*) { return _mm256_setzero_pd(); }
 
 // One full-width tile: c[i, 0:NR] (+)= sum_k a[k][i] * b[k, 0:NR] for
 // i < kGemmMR, a being a packed [depth][kGemmMR] panel. 12 accumulators stay
 // in registers; rows >= mr are zero padding, computed but not stored.
 template <typename T>
-TAPEHOOK_AVX2 void GemmTile(int64_t depth, const T* a, const T* b,
-                            int64_t ldb, T* c, int64_t ldc, bool accumulate,
-                            int mr) {
+TAPEHOOK_AVX2 void GemmTile(int64_t depth, const T* a, const T* b, int64_t ldb,
+                            T* c, int64_t ldc, bool accumulate, int mr) {
   constexpr int L = 32 / sizeof(T);  // lanes per vector
   using V = decltype(Load(static_cast<const T*>(nullptr)));
   // Ragged tiles (mr < kGemmMR) go through a full-size scratch tile: with
@@ -92,33 +76,44 @@ TAPEHOOK_AVX2 void GemmTile(int64_t depth, const T* a, const T* b,
     ldt = 2 * L;
   }
   // Twelve named accumulators: GCC keeps an array of 12 vectors in memory.
-#define TAPEHOOK_ROW(i)                                                  \
-  V acc##i##0 = accumulate ? Load(ct + i * ldt) : Zero(ct);             \
+#define TAPEHOOK_ROW(i)                                     \
+  V acc##i##0 = accumulate ? Load(ct + i * ldt) : Zero(ct); \
   V acc##i##1 = accumulate ? Load(ct + i * ldt + L) : Zero(ct);
-  TAPEHOOK_ROW(0) TAPEHOOK_ROW(1) TAPEHOOK_ROW(2)
-  TAPEHOOK_ROW(3) TAPEHOOK_ROW(4) TAPEHOOK_ROW(5)
+  TAPEHOOK_ROW(0)
+  TAPEHOOK_ROW(1)
+  TAPEHOOK_ROW(2)
+  TAPEHOOK_ROW(3)
+  TAPEHOOK_ROW(4)
+  TAPEHOOK_ROW(5)
 #undef TAPEHOOK_ROW
   for (int64_t k = 0; k < depth; ++k) {
     // B panels stream from L2; the hardware prefetcher alone stalls here.
-    _mm_prefetch(reinterpret_cast<const char*>(b + (k + 8) * ldb),
-                 _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(b + (k + 8) * ldb), _MM_HINT_T0);
     const V b0 = Load(b + k * ldb), b1 = Load(b + k * ldb + L);
     const T* ak = a + k * kGemmMR;
-#define TAPEHOOK_ROW(i)                      \
-  {                                          \
-    const V ai = Broadcast(ak + i);          \
-    acc##i##0 = Fma(ai, b0, acc##i##0);      \
-    acc##i##1 = Fma(ai, b1, acc##i##1);      \
+#define TAPEHOOK_ROW(i)                 \
+  {                                     \
+    const V ai = Broadcast(ak + i);     \
+    acc##i##0 = Fma(ai, b0, acc##i##0); \
+    acc##i##1 = Fma(ai, b1, acc##i##1); \
   }
-    TAPEHOOK_ROW(0) TAPEHOOK_ROW(1) TAPEHOOK_ROW(2)
-    TAPEHOOK_ROW(3) TAPEHOOK_ROW(4) TAPEHOOK_ROW(5)
+    TAPEHOOK_ROW(0)
+    TAPEHOOK_ROW(1)
+    TAPEHOOK_ROW(2)
+    TAPEHOOK_ROW(3)
+    TAPEHOOK_ROW(4)
+    TAPEHOOK_ROW(5)
 #undef TAPEHOOK_ROW
   }
-#define TAPEHOOK_ROW(i)                   \
-  Store(ct + i * ldt, acc##i##0);         \
+#define TAPEHOOK_ROW(i)           \
+  Store(ct + i * ldt, acc##i##0); \
   Store(ct + i * ldt + L, acc##i##1);
-  TAPEHOOK_ROW(0) TAPEHOOK_ROW(1) TAPEHOOK_ROW(2)
-  TAPEHOOK_ROW(3) TAPEHOOK_ROW(4) TAPEHOOK_ROW(5)
+  TAPEHOOK_ROW(0)
+  TAPEHOOK_ROW(1)
+  TAPEHOOK_ROW(2)
+  TAPEHOOK_ROW(3)
+  TAPEHOOK_ROW(4)
+  TAPEHOOK_ROW(5)
 #undef TAPEHOOK_ROW
   for (int i = 0; i < mr && ct == scratch; ++i) {
     for (int j = 0; j < 2 * L; ++j) c[i * ldc + j] = scratch[i * 2 * L + j];
@@ -127,9 +122,9 @@ TAPEHOOK_AVX2 void GemmTile(int64_t depth, const T* a, const T* b,
 
 // Per-byte popcount of v by 4-bit table lookup (AVX2 has no vpopcnt).
 TAPEHOOK_AVX2 inline __m256i ByteCounts(__m256i v) {
-  const __m256i lut = _mm256_setr_epi8(0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2,
-                                       3, 3, 4, 0, 1, 1, 2, 1, 2, 2, 3, 1, 2,
-                                       2, 3, 2, 3, 3, 4);
+  const __m256i lut =
+      _mm256_setr_epi8(0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4, 0, 1, 1,
+                       2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4);
   const __m256i low = _mm256_set1_epi8(0x0f);
   const __m256i lo = _mm256_and_si256(v, low);
   const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
@@ -175,15 +170,18 @@ TAPEHOOK_AVX2 inline void XorPopcount(int64_t m, int64_t n, int64_t depth,
     c0##q = _mm256_add_epi8(c0##q, ByteCounts(_mm256_xor_si256(x0, wq))); \
     c1##q = _mm256_add_epi8(c1##q, ByteCounts(_mm256_xor_si256(x1, wq))); \
   }
-          TAPEHOOK_STEP(0) TAPEHOOK_STEP(1) TAPEHOOK_STEP(2) TAPEHOOK_STEP(3)
+          TAPEHOOK_STEP(0)
+          TAPEHOOK_STEP(1)
+          TAPEHOOK_STEP(2)
+          TAPEHOOK_STEP(3)
 #undef TAPEHOOK_STEP
         }
         const __m256i c[kPopMR][4] = {{c00, c01, c02, c03},
                                       {c10, c11, c12, c13}};
         for (int r = 0; r < kPopMR; ++r) {
           for (int q = 0; q < 4; ++q) {
-            total[r][q] = _mm256_add_epi64(total[r][q],
-                                           _mm256_sad_epu8(c[r][q], zero));
+            total[r][q] =
+                _mm256_add_epi64(total[r][q], _mm256_sad_epu8(c[r][q], zero));
           }
         }
       }
@@ -222,9 +220,8 @@ TAPEHOOK_AVX2 inline void PackSigns(const float* x, int64_t c, uint64_t* out) {
 
 // For o < n: words[o] |= !(w[o] >= 0) << shift, abs_sum[o] += |w[o]|
 // (abs_sum may be null). One input channel of one tap of an HWIO filter.
-TAPEHOOK_AVX2 inline void PackWeightSigns(const float* w, int64_t n,
-                                          int shift, uint64_t* words,
-                                          double* abs_sum) {
+TAPEHOOK_AVX2 inline void PackWeightSigns(const float* w, int64_t n, int shift,
+                                          uint64_t* words, double* abs_sum) {
   const __m128 zero = _mm_setzero_ps();
   const __m128 abs_mask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
   const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(1) << shift);

@@ -3,7 +3,8 @@
 //
 // As with simd_avx2.h, the library is built without -mavx512* flags: each
 // function here carries a target attribute and binary_conv.cc calls it only
-// after Avx512Usable() said yes at run time. The tier needs VPOPCNTDQ (a
+// on a plan of the AVX-512 tier (plan.h; cpu::Avx512() in cpu.h says
+// where that can run). The tier needs VPOPCNTDQ (a
 // native popcount of 64-bit lanes), so it runs on Ice Lake and later Intel
 // server/client cores and on AMD Zen 4 and later; other CPUs take the AVX2 or
 // the portable path.
@@ -27,26 +28,6 @@
 
 namespace tapehook {
 namespace simd {
-
-// True when the CPU has AVX-512 F/BW/VL and VPOPCNTDQ (and the OS saves the
-// zmm state, which __builtin_cpu_supports checks), TAPEHOOK_NO_AVX512 is
-// unset (or "0") and the AVX2 tier is usable: TAPEHOOK_NO_AVX2 turns both
-// off, so the portable path stays testable. Both variables are read on every
-// call so a test can flip them.
-inline bool Avx512Usable() {
-#if TAPEHOOK_HAVE_AVX512_PATH
-  static const bool cpu = __builtin_cpu_supports("avx512f") &&
-                          __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl") &&
-                          __builtin_cpu_supports("avx512vpopcntdq") &&
-                          __builtin_cpu_supports("popcnt");
-  const char* off = std::getenv("TAPEHOOK_NO_AVX512");
-  return cpu && !(off != nullptr && off[0] != '\0' && off[0] != '0') &&
-         Avx2Usable();
-#else
-  return false;
-#endif
-}
 
 #if TAPEHOOK_HAVE_AVX512_PATH
 
@@ -78,8 +59,8 @@ TAPEHOOK_AVX512 inline void PackSigns512(const float* x, int64_t rows,
       uint64_t bits = 0;
 #pragma GCC unroll 4
       for (int q = 0; q < 4; ++q) {
-        const __mmask16 neg = _mm512_cmp_ps_mask(
-            _mm512_loadu_ps(p + 16 * q), zero, _CMP_NGE_UQ);
+        const __mmask16 neg =
+            _mm512_cmp_ps_mask(_mm512_loadu_ps(p + 16 * q), zero, _CMP_NGE_UQ);
         bits |= static_cast<uint64_t>(neg) << (16 * q);
       }
       out[w] = bits;
@@ -91,8 +72,7 @@ TAPEHOOK_AVX512 inline void PackSigns512(const float* x, int64_t rows,
       for (int q = 0; q < 4 && full * 64 + 16 * q < c; ++q) {
         const __mmask16 k = FirstLanes16(c - full * 64 - 16 * q);
         const __m512 v = _mm512_maskz_loadu_ps(k, p + 16 * q);
-        const __mmask16 neg =
-            _mm512_mask_cmp_ps_mask(k, v, zero, _CMP_NGE_UQ);
+        const __mmask16 neg = _mm512_mask_cmp_ps_mask(k, v, zero, _CMP_NGE_UQ);
         bits |= static_cast<uint64_t>(neg) << (16 * q);
       }
       out[full] = bits;
@@ -256,11 +236,10 @@ TAPEHOOK_AVX512 inline void BitConvTile(const BitConvBlock<T>& a, int64_t r0,
         const bool pair = q + 1 < NQ;
         const __mmask16 k =
             FirstLanes16(std::min<int64_t>(a.n - o, pair ? 16 : 8));
-        const __m512i cnt = _mm512_permutex2var_epi32(
-            acc[i][q], low_halves, acc[i][pair ? q + 1 : q]);
-        const __m512i dot =
-            _mm512_sub_epi32(_mm512_maskz_loadu_epi32(k, bias + o),
-                             _mm512_add_epi32(cnt, cnt));
+        const __m512i cnt = _mm512_permutex2var_epi32(acc[i][q], low_halves,
+                                                      acc[i][pair ? q + 1 : q]);
+        const __m512i dot = _mm512_sub_epi32(
+            _mm512_maskz_loadu_epi32(k, bias + o), _mm512_add_epi32(cnt, cnt));
         _mm512_mask_storeu_ps(
             out + o, k,
             _mm512_mul_ps(_mm512_maskz_loadu_ps(k, a.alpha + o),
@@ -386,8 +365,8 @@ TAPEHOOK_AVX512 void BitConv(const BitConvBlock<T>& a, int64_t rows) {
     if (BitConvShort(a, rows)) return;
   }
   const int64_t n8 = (a.n + 7) / 8 * 8;
-  const int64_t tiles = (n8 + 8 * kConvNQ - 1) / (8 * kConvNQ) *
-                        ((rows + kConvMR - 1) / kConvMR);
+  const int64_t tiles =
+      (n8 + 8 * kConvNQ - 1) / (8 * kConvNQ) * ((rows + kConvMR - 1) / kConvMR);
   const int64_t lines_per_tile = (a.prefetch_lines + tiles - 1) / tiles;
   int64_t line = 0;
   for (int64_t j = 0; j < n8; j += 8 * kConvNQ) {

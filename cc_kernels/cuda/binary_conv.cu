@@ -114,9 +114,8 @@ __global__ void AlphaKernel(Geom g, const T* w, Scale scale, float* alpha) {
   const int o = blockIdx.x * 32 + threadIdx.x;
   const bool mean_abs = scale == Scale::kMeanAbs;
   part[threadIdx.y][threadIdx.x] =
-      mean_abs && o < g.out_c
-          ? AbsColumnSum(g, w, o, threadIdx.y, kAlphaRows)
-          : 0.0f;
+      mean_abs && o < g.out_c ? AbsColumnSum(g, w, o, threadIdx.y, kAlphaRows)
+                              : 0.0f;
   __syncthreads();
   if (threadIdx.y != 0 || o >= g.out_c) return;
   float sum = 0.0f;
@@ -151,9 +150,10 @@ int GridFor(int total) {
 // ---------------------------------------------------------------------------
 // GEMM kernels.
 
-__device__ __forceinline__ void AccumulateTile(
-    const float (&a)[kDepth][kTile], const float (&b)[kDepth][kTile], int tx,
-    int ty, float (&acc)[kMicro][kMicro]) {
+__device__ __forceinline__ void AccumulateTile(const float (&a)[kDepth][kTile],
+                                               const float (&b)[kDepth][kTile],
+                                               int tx, int ty,
+                                               float (&acc)[kMicro][kMicro]) {
 #pragma unroll
   for (int kk = 0; kk < kDepth; ++kk) {
     float av[kMicro], bv[kMicro];
@@ -164,7 +164,8 @@ __device__ __forceinline__ void AccumulateTile(
 #pragma unroll
     for (int i = 0; i < kMicro; ++i) {
 #pragma unroll
-      for (int j = 0; j < kMicro; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+      for (int j = 0; j < kMicro; ++j)
+        acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
     }
   }
 }
@@ -199,7 +200,8 @@ __global__ void __launch_bounds__(kThreads)
       as[tid % kWordDepth][tid / kWordDepth + kRowsPerPass * i] =
           PackedIm2ColWord(g, xbits, rows[i], r);
       const int kk = tid / kTile + (kThreads / kTile) * i;
-      bs[kk][tid % kTile] = PackedWeightWord(g, wbits, k0 + kk, n0 + tid % kTile);
+      bs[kk][tid % kTile] =
+          PackedWeightWord(g, wbits, k0 + kk, n0 + tid % kTile);
     }
     __syncthreads();
 #pragma unroll
@@ -226,16 +228,16 @@ __global__ void __launch_bounds__(kThreads)
     for (int j = 0; j < kMicro; ++j) {
       const int o = n0 + tx + kLanes * j;
       if (o >= g.out_c) continue;
-      y[p * g.out_c + o] = FromFloat<T>(
-          alpha[o] * BinaryDotEpilogue(g, wpop, px, o, acc[i][j]));
+      y[p * g.out_c + o] =
+          FromFloat<T>(alpha[o] * BinaryDotEpilogue(g, wpop, px, o, acc[i][j]));
     }
   }
 }
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
-    FloatInputForwardKernel(Geom g, const T* x, const T* w,
-                            const float* alpha, T* y) {
+    FloatInputForwardKernel(Geom g, const T* x, const T* w, const float* alpha,
+                            T* y) {
   __shared__ float as[kDepth][kTile];
   __shared__ float bs[kDepth][kTile];
   const int tid = threadIdx.x, tx = tid % kLanes, ty = tid / kLanes;
@@ -294,8 +296,8 @@ __global__ void __launch_bounds__(kThreads)
       as[tid % kDepth][tid / kDepth + (kThreads / kDepth) * i] =
           DyGatherValue(g, dy, rows[i], col);
       const int kk = tid / kTile + (kThreads / kTile) * i;
-      bs[kk][tid % kTile] = ScaledSignWeightT(g, w, alpha, DyColumnAt(g, k0 + kk),
-                                              n0 + tid % kTile);
+      bs[kk][tid % kTile] = ScaledSignWeightT(
+          g, w, alpha, DyColumnAt(g, k0 + kk), n0 + tid % kTile);
     }
     __syncthreads();
     AccumulateTile(as, bs, tx, ty, acc);
@@ -336,10 +338,10 @@ __global__ void __launch_bounds__(kThreads)
     for (int i = 0; i < kLoads; ++i) {
       const int kk = tid / kTile + (kThreads / kTile) * i;
       const int p = p0 + kk;
-      const OutPixel px =
-          p < end ? OutPixelAt(g, p) : OutPixel{0, 0, 0, false};
+      const OutPixel px = p < end ? OutPixelAt(g, p) : OutPixel{0, 0, 0, false};
       as[kk][tid % kTile] = Im2ColValue(g, x, binary, px, f);
-      bs[kk][tid % kTile] = p < end ? DyValue(g, dy, p, n0 + tid % kTile) : 0.0f;
+      bs[kk][tid % kTile] =
+          p < end ? DyValue(g, dy, p, n0 + tid % kTile) : 0.0f;
     }
     __syncthreads();
     AccumulateTile(as, bs, tx, ty, acc);
@@ -395,8 +397,8 @@ const char* Forward(const ConvShape& s, const T* x, const T* w,
   const PackedBuffers b = Carve(g, workspace);
   LaunchAlpha(g, w, scale, b.alpha, stream);
   if (binary_input) {
-    PackInputKernel<T><<<GridFor(g.in_pix * g.words), kThreads, 0, stream>>>(
-        g, x, b.xbits);
+    PackInputKernel<T>
+        <<<GridFor(g.in_pix * g.words), kThreads, 0, stream>>>(g, x, b.xbits);
     PackFilterKernel<T><<<GridFor(g.taps * g.out_c), kThreads, 0, stream>>>(
         g, w, b.wbits, b.wpop);
     BinaryInputForwardKernel<T>
@@ -432,8 +434,8 @@ const char* BackpropFilter(const ConvShape& s, const T* x, const T* w,
   const Geom g = MakeGeom(s);
   const int splits = FilterSplits(g);
   float* alpha = static_cast<float*>(workspace);
-  float* partial = reinterpret_cast<float*>(static_cast<char*>(workspace) +
-                                            AlphaBytes(g));
+  float* partial =
+      reinterpret_cast<float*>(static_cast<char*>(workspace) + AlphaBytes(g));
   LaunchAlpha(g, w, scale, alpha, stream);
   BackpropFilterKernel<T>
       <<<TileGrid(g.filter_k, g.out_c, splits), kThreads, 0, stream>>>(
@@ -469,14 +471,13 @@ size_t BackpropInputWorkspaceBytes(const ConvShape& s) {
 
 size_t BackpropFilterWorkspaceBytes(const ConvShape& s) {
   const Geom g = MakeGeom(s);
-  return AlphaBytes(g) +
-         AlignUp(sizeof(float) * size_t(FilterSplits(g)) * g.filter_k * g.out_c);
+  return AlphaBytes(g) + AlignUp(sizeof(float) * size_t(FilterSplits(g)) *
+                                 g.filter_k * g.out_c);
 }
 
-const char* BinaryConv2DForward(DType dtype, const ConvShape& s,
-                                const void* x, const void* w,
-                                bool binary_input, Scale scale, void* y,
-                                void* workspace, CUstream_st* stream) {
+const char* BinaryConv2DForward(DType dtype, const ConvShape& s, const void* x,
+                                const void* w, bool binary_input, Scale scale,
+                                void* y, void* workspace, CUstream_st* stream) {
   if (const char* err = CheckSizes(s)) return err;
   return WithDType(dtype, [&](auto zero) {
     using T = decltype(zero);
@@ -502,16 +503,15 @@ const char* BinaryConv2DBackpropInput(DType dtype, const ConvShape& s,
 const char* BinaryConv2DBackpropFilter(DType dtype, const ConvShape& s,
                                        const void* x, const void* w,
                                        const void* dy, Estimator act_est,
-                                       Estimator w_est, float clip,
-                                       Scale scale, void* dw,
-                                       void* workspace, CUstream_st* stream) {
+                                       Estimator w_est, float clip, Scale scale,
+                                       void* dw, void* workspace,
+                                       CUstream_st* stream) {
   if (const char* err = CheckSizes(s)) return err;
   return WithDType(dtype, [&](auto zero) {
     using T = decltype(zero);
-    return BackpropFilter(s, static_cast<const T*>(x),
-                          static_cast<const T*>(w), static_cast<const T*>(dy),
-                          act_est, w_est, clip, scale, static_cast<T*>(dw),
-                          workspace, stream);
+    return BackpropFilter(s, static_cast<const T*>(x), static_cast<const T*>(w),
+                          static_cast<const T*>(dy), act_est, w_est, clip,
+                          scale, static_cast<T*>(dw), workspace, stream);
   });
 }
 

@@ -28,10 +28,9 @@ size_t BackpropFilterWorkspaceBytes(const ConvShape& s);
 
 // y[batch, out_h, out_w, out_c] = conv2d(x_hat, W_hat). With binary_input
 // the product is xor + popcount over bitpacked signs.
-const char* BinaryConv2DForward(DType dtype, const ConvShape& s,
-                                const void* x, const void* w,
-                                bool binary_input, Scale scale, void* y,
-                                void* workspace, CUstream_st* stream);
+const char* BinaryConv2DForward(DType dtype, const ConvShape& s, const void* x,
+                                const void* w, bool binary_input, Scale scale,
+                                void* y, void* workspace, CUstream_st* stream);
 
 // dx[batch, in_h, in_w, in_c]; x is read only when act_est != kNone.
 const char* BinaryConv2DBackpropInput(DType dtype, const ConvShape& s,
@@ -44,9 +43,9 @@ const char* BinaryConv2DBackpropInput(DType dtype, const ConvShape& s,
 const char* BinaryConv2DBackpropFilter(DType dtype, const ConvShape& s,
                                        const void* x, const void* w,
                                        const void* dy, Estimator act_est,
-                                       Estimator w_est, float clip,
-                                       Scale scale, void* dw,
-                                       void* workspace, CUstream_st* stream);
+                                       Estimator w_est, float clip, Scale scale,
+                                       void* dw, void* workspace,
+                                       CUstream_st* stream);
 
 }  // namespace cuda
 }  // namespace tapehook

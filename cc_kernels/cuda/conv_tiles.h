@@ -26,11 +26,11 @@ namespace cuda {
 struct Geom {
   int batch, in_h, in_w, in_c, k_h, k_w, out_c, out_h, out_w;
   int stride_h, stride_w, dil_h, dil_w, pad_top, pad_left;
-  int taps;       // k_h * k_w
-  int filter_k;   // taps * in_c: rows of the HWIO filter as a matrix
-  int out_pix;    // batch * out_h * out_w
-  int in_pix;     // batch * in_h * in_w
-  int words;      // 32-bit words per packed input pixel: ceil(in_c / 32)
+  int taps;      // k_h * k_w
+  int filter_k;  // taps * in_c: rows of the HWIO filter as a matrix
+  int out_pix;   // batch * out_h * out_w
+  int in_pix;    // batch * in_h * in_w
+  int words;     // 32-bit words per packed input pixel: ceil(in_c / 32)
 };
 
 inline Geom MakeGeom(const ConvShape& s) {
@@ -54,9 +54,13 @@ TAPEHOOK_HD float ToFloat(__half v) { return __half2float(v); }
 template <typename T>
 TAPEHOOK_HD T FromFloat(float v);
 template <>
-TAPEHOOK_HD float FromFloat<float>(float v) { return v; }
+TAPEHOOK_HD float FromFloat<float>(float v) {
+  return v;
+}
 template <>
-TAPEHOOK_HD __half FromFloat<__half>(float v) { return __float2half_rn(v); }
+TAPEHOOK_HD __half FromFloat<__half>(float v) {
+  return __float2half_rn(v);
+}
 
 // sign(t) = +1 if t >= 0 else -1, NaN included, exactly as the core.
 TAPEHOOK_HD float SignOf(float t) { return t >= 0.0f ? 1.0f : -1.0f; }
@@ -204,8 +208,7 @@ struct PackedRow {
 TAPEHOOK_HD PackedRow PackedRowAt(const Geom& g, int kw) {
   if (kw >= g.taps * g.words) return {0, 0, 0, false};
   const int tap = kw / g.words;
-  return {(tap / g.k_w) * g.dil_h, (tap % g.k_w) * g.dil_w, kw % g.words,
-          true};
+  return {(tap / g.k_w) * g.dil_h, (tap % g.k_w) * g.dil_w, kw % g.words, true};
 }
 
 // Packed im2col word: 0 in the padding and outside the matrix.
@@ -224,8 +227,8 @@ TAPEHOOK_HD uint32_t PackedWeightWord(const Geom& g, const uint32_t* wbits,
 
 // y[p, o] from mismatches = sum over all taps (padding as 0 words) of
 // popcount(x ^ w): each valid tap contributes in_c - 2 * its mismatches.
-TAPEHOOK_HD float BinaryDotEpilogue(const Geom& g, const int* wpop,
-                                    OutPixel px, int o, int mismatches) {
+TAPEHOOK_HD float BinaryDotEpilogue(const Geom& g, const int* wpop, OutPixel px,
+                                    int o, int mismatches) {
   const int valid = ValidTaps(g, px);
   if (valid < g.taps) {
     for (int tap = 0; tap < g.taps; ++tap) {
@@ -264,14 +267,13 @@ struct DyColumn {
 TAPEHOOK_HD DyColumn DyColumnAt(const Geom& g, int k) {
   if (k >= g.taps * g.out_c) return {0, 0, 0, 0, false};
   const int tap = k / g.out_c;
-  return {(tap / g.k_w) * g.dil_h, (tap % g.k_w) * g.dil_w, tap,
-          k % g.out_c, true};
+  return {(tap / g.k_w) * g.dil_h, (tap % g.k_w) * g.dil_w, tap, k % g.out_c,
+          true};
 }
 
 // The output coordinate whose tap at offset d reads padded input coordinate
 // i: out * stride + d == i; false if there is none.
-TAPEHOOK_HD bool OutputCoord(int i, int d, int stride, int out_size,
-                             int* out) {
+TAPEHOOK_HD bool OutputCoord(int i, int d, int stride, int out_size, int* out) {
   const int t = i - d;
   if (t < 0 || t % stride != 0) return false;
   *out = t / stride;
@@ -295,8 +297,7 @@ template <typename T>
 TAPEHOOK_HD float ScaledSignWeightT(const Geom& g, const T* w,
                                     const float* alpha, DyColumn k, int c) {
   if (!k.valid || c >= g.in_c) return 0.0f;
-  return alpha[k.o] *
-         SignOf(ToFloat(w[(k.tap * g.in_c + c) * g.out_c + k.o]));
+  return alpha[k.o] * SignOf(ToFloat(w[(k.tap * g.in_c + c) * g.out_c + k.o]));
 }
 
 // ---------------------------------------------------------------------------
@@ -310,8 +311,8 @@ TAPEHOOK_HD float DyValue(const Geom& g, const T* dy, int p, int o) {
 }
 
 // Pixel range of split z of `splits`, each a multiple of `align` long.
-TAPEHOOK_HD void SplitRange(int total, int splits, int align, int z,
-                            int* begin, int* end) {
+TAPEHOOK_HD void SplitRange(int total, int splits, int align, int z, int* begin,
+                            int* end) {
   const int per = ((total + splits - 1) / splits + align - 1) / align * align;
   *begin = z * per < total ? z * per : total;
   *end = *begin + per < total ? *begin + per : total;

@@ -9,13 +9,16 @@
 
 #include "core/amx_conv.h"
 #include "core/binary_conv.h"
+#include "core/cpu.h"
 #include "core/pack_input.h"
-#include "tf/conv_attrs.h"
+#include "core/packed_backprop.h"
+#include "core/plan.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/framework/tensor.h"
+#include "tf/conv_attrs.h"
 
 #ifndef TAPEHOOK_TF_VERSION
 #define TAPEHOOK_TF_VERSION "unknown"
@@ -38,39 +41,56 @@ std::atomic<int64_t> g_counts[kNumKinds];
 
 // Attrs shared by the forward and both backprops, so the gradient can rebuild
 // the whole binary spec from the forward op alone (also after SavedModel load).
-#define TAPEHOOK_CONV_ATTRS                                  \
-  Attr("T: {half, bfloat16, float, double}")                 \
-      .Attr("strides: list(int)")                            \
-      .Attr("padding: {'SAME', 'VALID', 'EXPLICIT'}")        \
-      .Attr("explicit_paddings: list(int) = []")             \
-      .Attr("data_format: {'NHWC', 'NCHW'} = 'NHWC'")        \
-      .Attr("dilations: list(int) = [1, 1, 1, 1]")           \
-      .Attr("scale: {'none', 'mean_abs'} = 'none'")          \
-      .Attr("weight_estimator: {'ste_sign', 'approx_sign', 'swish_sign'} = 'ste_sign'") \
-      .Attr("activation_estimator: {'none', 'ste_sign', 'approx_sign', 'swish_sign'} = 'none'") \
-      .Attr("clip: float = 1.0")
+// clip_f64_bits: the IEEE-754 bits of the spec's clip as a double, for
+// float64 inputs (0: use clip). plan: the implementation tapehook.dispatch
+// chose (core/plan.h: 'portable', 'avx2', 'avx512', 'amx'); '' picks the best
+// this CPU can run, as graphs written before the attr did.
+#define TAPEHOOK_CONV_ATTRS                                                \
+  Attr("T: {half, bfloat16, float, double}")                               \
+      .Attr("strides: list(int)")                                          \
+      .Attr("padding: {'SAME', 'VALID', 'EXPLICIT'}")                      \
+      .Attr("explicit_paddings: list(int) = []")                           \
+      .Attr("data_format: {'NHWC', 'NCHW'} = 'NHWC'")                      \
+      .Attr("dilations: list(int) = [1, 1, 1, 1]")                         \
+      .Attr("scale: {'none', 'mean_abs'} = 'none'")                        \
+      .Attr(                                                               \
+          "weight_estimator: {'ste_sign', 'approx_sign', 'swish_sign'} = " \
+          "'ste_sign'")                                                    \
+      .Attr(                                                               \
+          "activation_estimator: {'none', 'ste_sign', 'approx_sign', "     \
+          "'swish_sign'} = 'none'")                                        \
+      .Attr("clip: float = 1.0")                                           \
+      .Attr("clip_f64_bits: int = 0")                                      \
+      .Attr("plan: string = ''")
 
 REGISTER_OP("TapehookBinaryConv2D")
     .Input("input: T")
     .Input("filter: T")
     .Output("output: T")
-    .TAPEHOOK_CONV_ATTRS
-    .Attr("cache_filter: bool = false")
+    .TAPEHOOK_CONV_ATTRS.Attr("cache_filter: bool = false")
+    // The rest of the spec, carried for graph gradients and SavedModels; the
+    // forward does not read them. activation_clip < 0: the same as clip;
+    // +inf: no mask. pad_value: what padding held (the conv itself is VALID
+    // on the padded input then).
+    .Attr("activation_clip: float = -1.0")
+    .Attr("activation_clip_f64_bits: int = 0")
+    .Attr("beta: float = 5.0")
+    .Attr("pad_value: float = 0.0")
     .SetShapeFn(::tensorflow::shape_inference::Conv2DShapeWithExplicitPadding)
-    .Doc("conv2d(x_hat, alpha * sign(filter)); x_hat = sign(input) when "
-         "activation_estimator != 'none'. cache_filter: keep the packed "
-         "filter (bitpacked with binary input; the AMX GEMM's sign(W) with "
-         "float input, where AMX runs it) while the filter tensor's buffer is "
-         "the same (only for filters read from resource variables, whose "
-         "writes never touch a buffer that is still referenced).");
+    .Doc(
+        "conv2d(x_hat, alpha * sign(filter)); x_hat = sign(input) when "
+        "activation_estimator != 'none'. cache_filter: keep the packed "
+        "filter (bitpacked with binary input; the AMX GEMM's sign(W) with "
+        "float input, where AMX runs it) while the filter tensor's buffer is "
+        "the same (only for filters read from resource variables, whose "
+        "writes never touch a buffer that is still referenced).");
 
 REGISTER_OP("TapehookBinaryConv2DBackpropInput")
     .Input("input: T")
     .Input("filter: T")
     .Input("out_backprop: T")
     .Output("input_backprop: T")
-    .TAPEHOOK_CONV_ATTRS
-    .SetShapeFn([](shape_inference::InferenceContext* c) {
+    .TAPEHOOK_CONV_ATTRS.SetShapeFn([](shape_inference::InferenceContext* c) {
       c->set_output(0, c->input(0));
       return absl::OkStatus();
     });
@@ -80,8 +100,7 @@ REGISTER_OP("TapehookBinaryConv2DBackpropFilter")
     .Input("filter: T")
     .Input("out_backprop: T")
     .Output("filter_backprop: T")
-    .TAPEHOOK_CONV_ATTRS
-    .SetShapeFn([](shape_inference::InferenceContext* c) {
+    .TAPEHOOK_CONV_ATTRS.SetShapeFn([](shape_inference::InferenceContext* c) {
       c->set_output(0, c->input(1));
       return absl::OkStatus();
     });
@@ -97,9 +116,13 @@ ParallelFor ThreadPoolOf(OpKernelContext* ctx) {
 // The core computes in float or double; half and bfloat16 are widened to
 // float on the way in and rounded on the way out.
 template <typename T>
-struct Compute { using type = float; };
+struct Compute {
+  using type = float;
+};
 template <>
-struct Compute<double> { using type = double; };
+struct Compute<double> {
+  using type = double;
+};
 
 template <typename T>
 class Widened {
@@ -165,23 +188,26 @@ class BinaryConv2DOp : public OpKernel {
     Widened<T> xw(ctx->input(0));
     WidenedOut<T> out(y);
     const ParallelFor pool = ThreadPoolOf(ctx);
+    Impl impl;
+    OP_REQUIRES_OK(ctx, PlanFor(attrs_, ConvOp::kForward, s, false,
+                                std::is_same_v<C, double>, &impl));
     if (attrs_.act_est != Estimator::kNone && cache_filter_) {
       const std::shared_ptr<const BitFilter<C>> f = Kept<BitFilter<C>>(
           ctx->input(1), &bit_filter_,
           [&](const BitFilter<C>& k) {
-            return BitFilterFits(k, s, attrs_.scale);
+            return BitFilterFits(k, s, attrs_.scale, impl);
           },
           [&](const C* w) {
             return std::make_shared<const BitFilter<C>>(
-                PackBitFilter(s, w, attrs_.scale, pool));
+                PackBitFilter(s, w, attrs_.scale, pool, impl));
           });
       BinaryConv2DForwardBinary(s, xw.data(), *f, out.data(), pool);
-    } else if (!KeptAmxForward(s, ctx->input(1), xw.data(), out.data(),
+    } else if (!KeptAmxForward(s, impl, ctx->input(1), xw.data(), out.data(),
                                pool)) {
       Widened<T> ww(ctx->input(1));
       BinaryConv2DForward(s, xw.data(), ww.data(),
                           attrs_.act_est != Estimator::kNone, attrs_.scale,
-                          out.data(), pool);
+                          out.data(), pool, impl);
     }
     out.Store();
     CountDispatch(kForward);
@@ -190,13 +216,13 @@ class BinaryConv2DOp : public OpKernel {
  private:
   // The float-input forward on AMX with a kept filter side (sign(W) as the
   // GEMM's B, alpha); false where it does not run (no cache_filter, binary
-  // input, double, no AMX or a geometry AMX does not take): the caller then
-  // runs BinaryConv2DForward.
-  bool KeptAmxForward(const ConvShape& s, const Tensor& w, const C* x, C* y,
-                      const ParallelFor& pool) {
+  // input, or a plan other than AMX): the caller then runs
+  // BinaryConv2DForward.
+  bool KeptAmxForward(const ConvShape& s, Impl impl, const Tensor& w,
+                      const C* x, C* y, const ParallelFor& pool) {
     if constexpr (std::is_same_v<C, float>) {
       if (!cache_filter_ || attrs_.act_est != Estimator::kNone ||
-          !amx::Usable() || !amx::SupportsForward(s)) {
+          impl != Impl::kAmx) {
         return false;
       }
       const std::shared_ptr<const amx::ForwardFilter> f =
@@ -225,9 +251,8 @@ class BinaryConv2DOp : public OpKernel {
   // same shape: same values. The cost: a variable written after such a call
   // is copied once. An op instance keeps one kind: its attrs fix which.
   template <typename F, typename Fits, typename Pack>
-  std::shared_ptr<const F> Kept(const Tensor& w,
-                                std::shared_ptr<const F>* slot, Fits fits,
-                                Pack pack) {
+  std::shared_ptr<const F> Kept(const Tensor& w, std::shared_ptr<const F>* slot,
+                                Fits fits, Pack pack) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (*slot != nullptr && kept_.dtype() == w.dtype() &&
@@ -254,9 +279,13 @@ class BinaryConv2DOp : public OpKernel {
   std::shared_ptr<const amx::ForwardFilter> amx_filter_;
 };
 
-// Both backprops take (input, filter, out_backprop); kFilter selects the core call.
+// Both backprops take (input, filter, out_backprop); kFilter selects the core
+// call.
 template <typename T, bool kFilter>
 class BinaryConv2DBackpropOp : public OpKernel {
+  static constexpr ConvOp kOp =
+      kFilter ? ConvOp::kBackpropFilter : ConvOp::kBackpropInput;
+
  public:
   explicit BinaryConv2DBackpropOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ParseAttrs(ctx, &attrs_));
@@ -266,16 +295,22 @@ class BinaryConv2DBackpropOp : public OpKernel {
     Tensor* grad = nullptr;
     OP_REQUIRES_OK(ctx, PrepareBackprop(ctx, attrs_, kFilter, &s, &grad));
     if (grad->NumElements() == 0) return;
+    using C = typename Compute<T>::type;
+    Impl impl;
+    OP_REQUIRES_OK(
+        ctx, PlanFor(attrs_, kOp, s, false, std::is_same_v<C, double>, &impl));
     Widened<T> xw(ctx->input(0)), ww(ctx->input(1)), dyw(ctx->input(2));
     WidenedOut<T> out(grad);
+    const double clip = attrs_.ClipFor<C>();
     if (kFilter) {
       BinaryConv2DBackpropFilter(s, xw.data(), ww.data(), dyw.data(),
-                                 attrs_.act_est, attrs_.weight_est, attrs_.clip,
-                                 attrs_.scale, out.data(), ThreadPoolOf(ctx));
+                                 attrs_.act_est, attrs_.weight_est, clip,
+                                 attrs_.scale, out.data(), ThreadPoolOf(ctx),
+                                 impl);
     } else {
       BinaryConv2DBackpropInput(s, xw.data(), ww.data(), dyw.data(),
-                                attrs_.act_est, attrs_.clip, attrs_.scale,
-                                out.data(), ThreadPoolOf(ctx));
+                                attrs_.act_est, clip, attrs_.scale, out.data(),
+                                ThreadPoolOf(ctx), impl);
     }
     out.Store();
     CountDispatch(kFilter ? kBackpropFilter : kBackpropInput);
@@ -304,20 +339,22 @@ REGISTER_OP("TapehookPackInput")
     .Output("packed: uint8")
     .Attr("T: {half, bfloat16, float, double}")
     .Attr("clip: float = 1.0")
+    .Attr("clip_f64_bits: int = 0")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       shape_inference::ShapeHandle in = c->input(0), prefix, out;
       TF_RETURN_IF_ERROR(c->WithRankAtLeast(in, 1, &in));
       TF_RETURN_IF_ERROR(c->Subshape(in, 0, -1, &prefix));
       shape_inference::DimensionHandle channels = c->Dim(in, -1);
       shape_inference::DimensionHandle bytes =
-          c->ValueKnown(channels)
-              ? c->MakeDim(PackedBytes(c->Value(channels)))
-              : c->UnknownDim();
+          c->ValueKnown(channels) ? c->MakeDim(PackedBytes(c->Value(channels)))
+                                  : c->UnknownDim();
       TF_RETURN_IF_ERROR(c->Concatenate(prefix, c->Vector(bytes), &out));
       c->set_output(0, out);
       return absl::OkStatus();
     })
-    .Doc("Sign and ste_sign mask bits of a binary conv's input (core/pack_input.h).");
+    .Doc(
+        "Sign and ste_sign mask bits of a binary conv's input "
+        "(core/pack_input.h).");
 
 REGISTER_OP("TapehookUnpackInput")
     .Input("packed: uint8")
@@ -337,11 +374,12 @@ template <typename T>
 class PackInputOp : public OpKernel {
  public:
   explicit PackInputOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("clip", &clip_));
+    OP_REQUIRES_OK(ctx, ParseClip(ctx, &clip_, &clip_f64_));
   }
   void Compute(OpKernelContext* ctx) override {
     const Tensor& x = ctx->input(0);
-    OP_REQUIRES(ctx, x.dims() >= 1, errors::InvalidArgument("input must have a channel axis"));
+    OP_REQUIRES(ctx, x.dims() >= 1,
+                errors::InvalidArgument("input must have a channel axis"));
     const int64_t channels = x.dim_size(x.dims() - 1);
     TensorShape shape = x.shape();
     shape.set_dim(x.dims() - 1, PackedBytes(channels));
@@ -349,12 +387,15 @@ class PackInputOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &packed));
     if (x.NumElements() == 0) return;
     Widened<T> xw(x);
-    PackSignMask(xw.data(), x.NumElements() / channels, channels, clip_,
+    using C = typename Compute<T>::type;
+    PackSignMask(xw.data(), x.NumElements() / channels, channels,
+                 std::is_same_v<C, double> ? clip_f64_ : double{clip_},
                  packed->flat<uint8_t>().data(), ThreadPoolOf(ctx));
   }
 
  private:
   float clip_;
+  double clip_f64_;
 };
 
 template <typename T>
@@ -365,10 +406,11 @@ class UnpackInputOp : public OpKernel {
   }
   void Compute(OpKernelContext* ctx) override {
     const Tensor& packed = ctx->input(0);
-    OP_REQUIRES(ctx, packed.dims() >= 1 &&
-                         packed.dim_size(packed.dims() - 1) == PackedBytes(channels_),
-                errors::InvalidArgument("packed input does not hold ", channels_,
-                                        " channels"));
+    OP_REQUIRES(ctx,
+                packed.dims() >= 1 && packed.dim_size(packed.dims() - 1) ==
+                                          PackedBytes(channels_),
+                errors::InvalidArgument("packed input does not hold ",
+                                        channels_, " channels"));
     TensorShape shape = packed.shape();
     shape.set_dim(packed.dims() - 1, channels_);
     Tensor *x_hat = nullptr, *mask = nullptr;
@@ -376,8 +418,9 @@ class UnpackInputOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, shape, &mask));
     if (x_hat->NumElements() == 0) return;
     WidenedOut<T> xo(x_hat), mo(mask);
-    UnpackSignMask(packed.flat<uint8_t>().data(), x_hat->NumElements() / channels_,
-                   channels_, xo.data(), mo.data(), ThreadPoolOf(ctx));
+    UnpackSignMask(packed.flat<uint8_t>().data(),
+                   x_hat->NumElements() / channels_, channels_, xo.data(),
+                   mo.data(), ThreadPoolOf(ctx));
     xo.Store();
     mo.Store();
   }
@@ -391,30 +434,30 @@ REGISTER_OP("TapehookBinaryConv2DBackpropInputPacked")
     .Input("filter: T")
     .Input("out_backprop: T")
     .Output("input_backprop: T")
-    .TAPEHOOK_CONV_ATTRS
-    .Attr("channels: int")
+    .TAPEHOOK_CONV_ATTRS.Attr("channels: int")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       shape_inference::ShapeHandle out;
       TF_RETURN_IF_ERROR(UnpackedShape(c, /*rank=*/4, &out));
       c->set_output(0, out);
       return absl::OkStatus();
     })
-    .Doc("TapehookBinaryConv2DBackpropInput of a ste_sign binary-activation "
-         "conv whose input is given as TapehookPackInput bits.");
+    .Doc(
+        "TapehookBinaryConv2DBackpropInput of a ste_sign binary-activation "
+        "conv whose input is given as TapehookPackInput bits.");
 
 REGISTER_OP("TapehookBinaryConv2DBackpropFilterPacked")
     .Input("packed: uint8")
     .Input("filter: T")
     .Input("out_backprop: T")
     .Output("filter_backprop: T")
-    .TAPEHOOK_CONV_ATTRS
-    .Attr("channels: int")
+    .TAPEHOOK_CONV_ATTRS.Attr("channels: int")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       c->set_output(0, c->input(1));
       return absl::OkStatus();
     })
-    .Doc("TapehookBinaryConv2DBackpropFilter of a ste_sign binary-activation "
-         "conv whose input is given as TapehookPackInput bits.");
+    .Doc(
+        "TapehookBinaryConv2DBackpropFilter of a ste_sign binary-activation "
+        "conv whose input is given as TapehookPackInput bits.");
 
 // The backprops reading the input as packed bits (core/pack_input.h).
 template <typename T, bool kFilter>
@@ -430,12 +473,10 @@ class PackedBackpropOp : public OpKernel {
   }
   void Compute(OpKernelContext* ctx) override {
     const Tensor& packed = ctx->input(0);
-    OP_REQUIRES(ctx, packed.dims() == 4 &&
-                         packed.dim_size(3) == PackedBytes(channels_),
-                errors::InvalidArgument("packed input ",
-                                        packed.shape().DebugString(),
-                                        " does not hold ", channels_,
-                                        " channels"));
+    OP_REQUIRES(
+        ctx, packed.dims() == 4 && packed.dim_size(3) == PackedBytes(channels_),
+        errors::InvalidArgument("packed input ", packed.shape().DebugString(),
+                                " does not hold ", channels_, " channels"));
     TensorShape x_shape = packed.shape();
     x_shape.set_dim(3, channels_);
     const Tensor& w = ctx->input(1);
@@ -443,21 +484,27 @@ class PackedBackpropOp : public OpKernel {
     OP_REQUIRES_OK(ctx, MakeShape(attrs_, x_shape, w.shape(), &s));
     OP_REQUIRES_OK(ctx, CheckOutBackprop(s, ctx->input(2)));
     Tensor* grad = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, kFilter ? w.shape() : x_shape,
-                                             &grad));
+    OP_REQUIRES_OK(
+        ctx, ctx->allocate_output(0, kFilter ? w.shape() : x_shape, &grad));
     if (grad->NumElements() == 0) return;
+    using C = typename Compute<T>::type;
+    Impl impl;
+    OP_REQUIRES_OK(
+        ctx, PlanFor(attrs_,
+                     kFilter ? ConvOp::kBackpropFilter : ConvOp::kBackpropInput,
+                     s, true, std::is_same_v<C, double>, &impl));
     Widened<T> ww(w), dyw(ctx->input(2));
     WidenedOut<T> out(grad);
     const uint8_t* bits = packed.flat<uint8_t>().data();
+    const double clip = attrs_.ClipFor<C>();
     if (kFilter) {
       BinaryConv2DBackpropFilterPacked(s, bits, ww.data(), dyw.data(),
-                                       attrs_.weight_est, attrs_.clip,
-                                       attrs_.scale, out.data(),
-                                       ThreadPoolOf(ctx));
+                                       attrs_.weight_est, clip, attrs_.scale,
+                                       out.data(), ThreadPoolOf(ctx), impl);
     } else {
-      BinaryConv2DBackpropInputPacked(s, bits, ww.data(), dyw.data(),
-                                      attrs_.clip, attrs_.scale, out.data(),
-                                      ThreadPoolOf(ctx));
+      BinaryConv2DBackpropInputPacked(s, bits, ww.data(), dyw.data(), clip,
+                                      attrs_.scale, out.data(),
+                                      ThreadPoolOf(ctx), impl);
     }
     out.Store();
     CountDispatch(kFilter ? kBackpropFilter : kBackpropInput);
@@ -477,32 +524,31 @@ using BackpropInputOp = BinaryConv2DBackpropOp<T, false>;
 template <typename T>
 using BackpropFilterOp = BinaryConv2DBackpropOp<T, true>;
 
-#define REGISTER_CPU(T)                                                     \
-  REGISTER_KERNEL_BUILDER(Name("TapehookBinaryConv2D")                      \
-                              .Device(DEVICE_CPU)                           \
-                              .TypeConstraint<T>("T"),                      \
-                          BinaryConv2DOp<T>);                               \
-  REGISTER_KERNEL_BUILDER(Name("TapehookBinaryConv2DBackpropInput")         \
-                              .Device(DEVICE_CPU)                           \
-                              .TypeConstraint<T>("T"),                      \
-                          BackpropInputOp<T>);                              \
-  REGISTER_KERNEL_BUILDER(Name("TapehookBinaryConv2DBackpropFilter")        \
-                              .Device(DEVICE_CPU)                           \
-                              .TypeConstraint<T>("T"),                      \
-                          BackpropFilterOp<T>);                             \
-  REGISTER_KERNEL_BUILDER(                                                  \
-      Name("TapehookPackInput").Device(DEVICE_CPU).TypeConstraint<T>("T"),  \
-      PackInputOp<T>);                                                      \
-  REGISTER_KERNEL_BUILDER(                                                  \
-      Name("TapehookUnpackInput").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
-      UnpackInputOp<T>);                                                    \
-  REGISTER_KERNEL_BUILDER(Name("TapehookBinaryConv2DBackpropInputPacked")   \
-                              .Device(DEVICE_CPU)                           \
-                              .TypeConstraint<T>("T"),                      \
-                          PackedBackpropInputOp<T>);                        \
-  REGISTER_KERNEL_BUILDER(Name("TapehookBinaryConv2DBackpropFilterPacked")  \
-                              .Device(DEVICE_CPU)                           \
-                              .TypeConstraint<T>("T"),                      \
+#define REGISTER_CPU(T)                                                       \
+  REGISTER_KERNEL_BUILDER(                                                    \
+      Name("TapehookBinaryConv2D").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
+      BinaryConv2DOp<T>);                                                     \
+  REGISTER_KERNEL_BUILDER(Name("TapehookBinaryConv2DBackpropInput")           \
+                              .Device(DEVICE_CPU)                             \
+                              .TypeConstraint<T>("T"),                        \
+                          BackpropInputOp<T>);                                \
+  REGISTER_KERNEL_BUILDER(Name("TapehookBinaryConv2DBackpropFilter")          \
+                              .Device(DEVICE_CPU)                             \
+                              .TypeConstraint<T>("T"),                        \
+                          BackpropFilterOp<T>);                               \
+  REGISTER_KERNEL_BUILDER(                                                    \
+      Name("TapehookPackInput").Device(DEVICE_CPU).TypeConstraint<T>("T"),    \
+      PackInputOp<T>);                                                        \
+  REGISTER_KERNEL_BUILDER(                                                    \
+      Name("TapehookUnpackInput").Device(DEVICE_CPU).TypeConstraint<T>("T"),  \
+      UnpackInputOp<T>);                                                      \
+  REGISTER_KERNEL_BUILDER(Name("TapehookBinaryConv2DBackpropInputPacked")     \
+                              .Device(DEVICE_CPU)                             \
+                              .TypeConstraint<T>("T"),                        \
+                          PackedBackpropInputOp<T>);                          \
+  REGISTER_KERNEL_BUILDER(Name("TapehookBinaryConv2DBackpropFilterPacked")    \
+                              .Device(DEVICE_CPU)                             \
+                              .TypeConstraint<T>("T"),                        \
                           PackedBackpropFilterOp<T>);
 
 REGISTER_CPU(Eigen::half);
@@ -528,6 +574,34 @@ void tapehook_reset_dispatch_counts() {
   for (auto& c : tapehook::g_counts) c.store(0, std::memory_order_relaxed);
 }
 const char* tapehook_built_tf_version() { return TAPEHOOK_TF_VERSION; }
-// 1 when the float-operand kernels run on AMX (see core/amx_conv.h).
+// 1 when the float-operand kernels can run on AMX (see core/amx_conv.h).
 int tapehook_amx_usable() { return tapehook::amx::Usable() ? 1 : 0; }
+
+// The capability query (core/plan.h) for tapehook.dispatch: bit (1 << impl)
+// per implementation that can run the conv, impl numbered as
+// tapehook::Impl. geometry: batch, in_h, in_w, in_c, out_c, k_h, k_w, out_h,
+// out_w, stride_h, stride_w, dil_h, dil_w, pad_top, pad_left (-1: unknown).
+uint32_t tapehook_conv_capabilities(int op, int binary_input, int packed_input,
+                                    int is_double, const int64_t* geometry) {
+  if (op < 0 || op > 2) return 0;
+  tapehook::ConvQuery q;
+  q.op = static_cast<tapehook::ConvOp>(op);
+  q.binary_input = binary_input != 0;
+  q.packed_input = packed_input != 0;
+  q.is_double = is_double != 0;
+  int64_t* fields[] = {&q.batch, &q.in_h,     &q.in_w,     &q.in_c,
+                       &q.out_c, &q.k_h,      &q.k_w,      &q.out_h,
+                       &q.out_w, &q.stride_h, &q.stride_w, &q.dil_h,
+                       &q.dil_w, &q.pad_top,  &q.pad_left};
+  for (int i = 0; i < 15; ++i) *fields[i] = geometry[i];
+  return tapehook::Capabilities(q);
+}
+
+// Test hook: the TAPEHOOK_NO_* switches in effect (bits: 1 no AMX, 2 no
+// AVX-512, 4 no AVX2), or -1 to go back to the environment's.
+void tapehook_set_switches_for_test(int bits) {
+  if (bits < 0) return tapehook::cpu::ClearSwitchesForTest();
+  tapehook::cpu::SetSwitchesForTest(
+      {(bits & 1) != 0, (bits & 2) != 0, (bits & 4) != 0});
+}
 }

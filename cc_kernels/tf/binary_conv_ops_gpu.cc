@@ -64,12 +64,13 @@ class BinaryConv2DGpuOp : public OpKernel {
     if (y->NumElements() == 0) return;
     const bool binary = attrs_.act_est != Estimator::kNone;
     Tensor scratch;
-    OP_REQUIRES_OK(ctx, AllocateWorkspace(
-                            ctx, cuda::ForwardWorkspaceBytes(s, binary), &scratch));
-    OP_REQUIRES_OK(ctx, CudaStatus(cuda::BinaryConv2DForward(
-                            kDType<T>, s, x.data(), w.data(), binary,
-                            attrs_.scale, y->data(), scratch.data(),
-                            StreamOf(ctx))));
+    OP_REQUIRES_OK(
+        ctx, AllocateWorkspace(ctx, cuda::ForwardWorkspaceBytes(s, binary),
+                               &scratch));
+    OP_REQUIRES_OK(ctx,
+                   CudaStatus(cuda::BinaryConv2DForward(
+                       kDType<T>, s, x.data(), w.data(), binary, attrs_.scale,
+                       y->data(), scratch.data(), StreamOf(ctx))));
     CountDispatch(kForward);
   }
 
@@ -93,11 +94,11 @@ class BinaryConv2DBackpropGpuOp : public OpKernel {
     OP_REQUIRES_OK(ctx, PrepareBackprop(ctx, attrs_, kFilter, &s, &grad));
     if (grad->NumElements() == 0) return;
     Tensor scratch;
-    OP_REQUIRES_OK(ctx, AllocateWorkspace(
-                            ctx,
-                            kFilter ? cuda::BackpropFilterWorkspaceBytes(s)
-                                    : cuda::BackpropInputWorkspaceBytes(s),
-                            &scratch));
+    OP_REQUIRES_OK(
+        ctx, AllocateWorkspace(ctx,
+                               kFilter ? cuda::BackpropFilterWorkspaceBytes(s)
+                                       : cuda::BackpropInputWorkspaceBytes(s),
+                               &scratch));
     const char* err =
         kFilter ? cuda::BinaryConv2DBackpropFilter(
                       kDType<T>, s, x.data(), w.data(), dy.data(),
@@ -115,18 +116,17 @@ class BinaryConv2DBackpropGpuOp : public OpKernel {
   ConvAttrs attrs_;
 };
 
-#define REGISTER_GPU(T)                                                     \
-  REGISTER_KERNEL_BUILDER(Name("TapehookBinaryConv2D")                      \
-                              .Device(DEVICE_GPU)                           \
-                              .TypeConstraint<T>("T"),                      \
-                          BinaryConv2DGpuOp<T>);                            \
-  REGISTER_KERNEL_BUILDER(Name("TapehookBinaryConv2DBackpropInput")         \
-                              .Device(DEVICE_GPU)                           \
-                              .TypeConstraint<T>("T"),                      \
-                          (BinaryConv2DBackpropGpuOp<T, false>));           \
-  REGISTER_KERNEL_BUILDER(Name("TapehookBinaryConv2DBackpropFilter")        \
-                              .Device(DEVICE_GPU)                           \
-                              .TypeConstraint<T>("T"),                      \
+#define REGISTER_GPU(T)                                                       \
+  REGISTER_KERNEL_BUILDER(                                                    \
+      Name("TapehookBinaryConv2D").Device(DEVICE_GPU).TypeConstraint<T>("T"), \
+      BinaryConv2DGpuOp<T>);                                                  \
+  REGISTER_KERNEL_BUILDER(Name("TapehookBinaryConv2DBackpropInput")           \
+                              .Device(DEVICE_GPU)                             \
+                              .TypeConstraint<T>("T"),                        \
+                          (BinaryConv2DBackpropGpuOp<T, false>));             \
+  REGISTER_KERNEL_BUILDER(Name("TapehookBinaryConv2DBackpropFilter")          \
+                              .Device(DEVICE_GPU)                             \
+                              .TypeConstraint<T>("T"),                        \
                           (BinaryConv2DBackpropGpuOp<T, true>));
 
 REGISTER_GPU(Eigen::half);

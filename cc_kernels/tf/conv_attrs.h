@@ -3,10 +3,13 @@
 #ifndef TAPEHOOK_TF_CONV_ATTRS_H_
 #define TAPEHOOK_TF_CONV_ATTRS_H_
 
+#include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "core/binary_conv.h"
+#include "core/plan.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 
@@ -20,13 +23,46 @@ struct ConvAttrs {
   Scale scale = Scale::kNone;
   Estimator weight_est = Estimator::kSteSign;
   Estimator act_est = Estimator::kNone;
+  // ste_sign's clip as the float attr: for half / bfloat16 / float32
+  // inputs (computed in float32) Python rounds it toward zero, so that
+  // |t| <= clip holds exactly for the float32 t with |t| <= the spec's clip.
   float clip = 1.0f;
+  // The spec's clip as a double, for float64 inputs: the clip_f64_bits
+  // attr (the IEEE-754 bits of Python's float), or (double)clip when 0
+  // (graphs written before the attr existed).
+  double clip_f64 = 1.0;
+  // The implementation the policy chose (plan.h); kBest for "" (graphs
+  // written before plans existed: SelectBest's choice, as then).
+  Impl plan = Impl::kBest;
+
+  // The clip the core compares against in compute type C.
+  template <typename C>
+  double ClipFor() const {
+    return std::is_same_v<C, double> ? clip_f64 : static_cast<double>(clip);
+  }
 };
+
+// Reads clip and clip_f64_bits into a->clip / a->clip_f64.
+inline absl::Status ParseClip(::tensorflow::OpKernelConstruction* ctx,
+                              float* clip, double* clip_f64) {
+  int64_t bits = 0;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("clip", clip));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("clip_f64_bits", &bits));
+  if (bits == 0) {
+    *clip_f64 = static_cast<double>(*clip);
+  } else {
+    std::memcpy(clip_f64, &bits, sizeof(double));
+  }
+  if (!(*clip > 0) || !(*clip_f64 > 0)) {
+    return ::tensorflow::errors::InvalidArgument("clip must be > 0");
+  }
+  return absl::OkStatus();
+}
 
 inline absl::Status ParseAttrs(::tensorflow::OpKernelConstruction* ctx,
                                ConvAttrs* a) {
   namespace errors = ::tensorflow::errors;
-  std::string padding, data_format, scale, w_est, act_est;
+  std::string padding, data_format, scale, w_est, act_est, plan;
   TF_RETURN_IF_ERROR(ctx->GetAttr("strides", &a->strides));
   TF_RETURN_IF_ERROR(ctx->GetAttr("dilations", &a->dilations));
   TF_RETURN_IF_ERROR(ctx->GetAttr("explicit_paddings", &a->explicit_paddings));
@@ -35,7 +71,14 @@ inline absl::Status ParseAttrs(::tensorflow::OpKernelConstruction* ctx,
   TF_RETURN_IF_ERROR(ctx->GetAttr("scale", &scale));
   TF_RETURN_IF_ERROR(ctx->GetAttr("weight_estimator", &w_est));
   TF_RETURN_IF_ERROR(ctx->GetAttr("activation_estimator", &act_est));
-  TF_RETURN_IF_ERROR(ctx->GetAttr("clip", &a->clip));
+  TF_RETURN_IF_ERROR(ParseClip(ctx, &a->clip, &a->clip_f64));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("plan", &plan));
+  if (!ParseImpl(plan, &a->plan)) {
+    return errors::InvalidArgument(
+        "unknown plan '", plan,
+        "'; use '', 'portable', 'avx2', 'avx512' or 'amx' (tapehook.dispatch "
+        "chooses it)");
+  }
   if (data_format != "NHWC") {
     return errors::Unimplemented(
         "tapehook binary Conv2D supports data_format NHWC only; got ",
@@ -57,12 +100,10 @@ inline absl::Status ParseAttrs(::tensorflow::OpKernelConstruction* ctx,
         "padding EXPLICIT needs 8 explicit_paddings, got ",
         a->explicit_paddings.size());
   }
-  if (!ParseScale(scale, &a->scale) ||
-      !ParseEstimator(w_est, &a->weight_est) ||
+  if (!ParseScale(scale, &a->scale) || !ParseEstimator(w_est, &a->weight_est) ||
       !ParseEstimator(act_est, &a->act_est)) {
     return errors::InvalidArgument("unknown scale or estimator attr");
   }
-  if (!(a->clip > 0)) return errors::InvalidArgument("clip must be > 0");
   return absl::OkStatus();
 }
 
@@ -72,9 +113,10 @@ inline absl::Status MakeShape(const ConvAttrs& a,
                               ConvShape* s) {
   namespace errors = ::tensorflow::errors;
   if (x.dims() != 4 || w.dims() != 4) {
-    return errors::InvalidArgument("binary Conv2D needs a 4-D input and a 4-D "
-                                   "filter, got ", x.DebugString(), " and ",
-                                   w.DebugString());
+    return errors::InvalidArgument(
+        "binary Conv2D needs a 4-D input and a 4-D "
+        "filter, got ",
+        x.DebugString(), " and ", w.DebugString());
   }
   if (x.dim_size(3) != w.dim_size(2)) {
     return errors::InvalidArgument("input depth ", x.dim_size(3),
@@ -94,9 +136,8 @@ inline absl::Status MakeShape(const ConvAttrs& a,
   s->dil_w = a.dilations[2];
   const auto& p = a.explicit_paddings;
   const bool ex = a.padding == Padding::kExplicit;
-  std::string err = ComputeConvGeometry(a.padding, ex ? p[2] : 0,
-                                        ex ? p[3] : 0, ex ? p[4] : 0,
-                                        ex ? p[5] : 0, s);
+  std::string err = ComputeConvGeometry(a.padding, ex ? p[2] : 0, ex ? p[3] : 0,
+                                        ex ? p[4] : 0, ex ? p[5] : 0, s);
   if (!err.empty()) return errors::InvalidArgument(err);
   return absl::OkStatus();
 }
@@ -119,7 +160,8 @@ inline absl::Status PrepareForward(::tensorflow::OpKernelContext* ctx,
   TF_RETURN_IF_ERROR(
       MakeShape(a, ctx->input(0).shape(), ctx->input(1).shape(), s));
   return ctx->allocate_output(
-      0, ::tensorflow::TensorShape({s->batch, s->out_h, s->out_w, s->out_c}), y);
+      0, ::tensorflow::TensorShape({s->batch, s->out_h, s->out_w, s->out_c}),
+      y);
 }
 
 // Backprops: reads (input, filter, out_backprop), fills s, checks dY and
@@ -134,8 +176,25 @@ inline absl::Status PrepareBackprop(::tensorflow::OpKernelContext* ctx,
   return ctx->allocate_output(0, filter_grad ? w.shape() : x.shape(), grad);
 }
 
+// The implementation to run op on conv s (a->plan, or SelectBest's when
+// it is empty); an error when the plan cannot run here.
+inline absl::Status PlanFor(const ConvAttrs& a, ConvOp op, const ConvShape& s,
+                            bool packed_input, bool is_double, Impl* impl) {
+  *impl = a.plan;
+  const std::string err = ResolvePlan(
+      QueryOf(op, s, a.act_est != Estimator::kNone, packed_input, is_double),
+      impl);
+  if (err.empty()) return absl::OkStatus();
+  return ::tensorflow::errors::FailedPrecondition(err);
+}
+
 // Executions of the compiled kernels, read by tapehook.dispatch_counts().
-enum CountKind { kForward = 0, kBackpropInput = 1, kBackpropFilter = 2, kNumKinds };
+enum CountKind {
+  kForward = 0,
+  kBackpropInput = 1,
+  kBackpropFilter = 2,
+  kNumKinds
+};
 // Defined once, in binary_conv_ops.cc.
 void CountDispatch(CountKind kind);
 

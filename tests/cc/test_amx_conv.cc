@@ -26,7 +26,9 @@
 
 #include "cc_kernels/core/amx_conv.h"
 #include "cc_kernels/core/binary_conv.h"
+#include "cc_kernels/core/cpu.h"
 #include "cc_kernels/core/pack_input.h"
+#include "cc_kernels/core/packed_backprop.h"
 
 namespace {
 
@@ -34,6 +36,9 @@ using tapehook::ConvShape;
 using tapehook::Estimator;
 
 int g_failures = 0;
+
+// The switches of TAPEHOOK_NO_AMX=1, pinned without setenv.
+const tapehook::cpu::Switches kNoAmx{/*no_amx=*/true, false, false};
 
 void Check(bool ok, const char* what) {
   if (!ok) {
@@ -237,11 +242,11 @@ void TestBackpropFilterBlocking(std::mt19937_64& rng, int64_t hw, int64_t c) {
     tapehook::BinaryConv2DBackpropFilter(
         s, x.data(), w.data(), dy.data(), act, Estimator::kSteSign, 1.0,
         tapehook::Scale::kMeanAbs, got.data(), kSerial);
-    setenv("TAPEHOOK_NO_AMX", "1", /*overwrite=*/1);
+    tapehook::cpu::SetSwitchesForTest(kNoAmx);
     tapehook::BinaryConv2DBackpropFilter(
         s, x.data(), w.data(), dy.data(), act, Estimator::kSteSign, 1.0,
         tapehook::Scale::kMeanAbs, want.data(), kSerial);
-    unsetenv("TAPEHOOK_NO_AMX");
+    tapehook::cpu::ClearSwitchesForTest();
     double scale = 0, err = 0;
     for (size_t i = 0; i < w.size(); ++i) {
       scale = std::max(scale, std::abs(double(want[i])));
@@ -296,13 +301,13 @@ void TestManyWindows(std::mt19937_64& rng, int64_t k, int64_t c) {
   tapehook::BinaryConv2DBackpropInput(s, x.data(), w.data(), dy.data(),
                                       Estimator::kSteSign, 1.0, mean_abs,
                                       got_dx.data(), kThreeThreads);
-  setenv("TAPEHOOK_NO_AMX", "1", /*overwrite=*/1);
+  tapehook::cpu::SetSwitchesForTest(kNoAmx);
   tapehook::BinaryConv2DForward(s, x.data(), w.data(), false, mean_abs,
                                 want.data(), kSerial);
   tapehook::BinaryConv2DBackpropInput(s, x.data(), w.data(), dy.data(),
                                       Estimator::kSteSign, 1.0, mean_abs,
                                       want_dx.data(), kSerial);
-  unsetenv("TAPEHOOK_NO_AMX");
+  tapehook::cpu::ClearSwitchesForTest();
   Check(close(got, want), "forward over many windows, three threads");
   Check(close(got_dx, want_dx),
         "backprop-input over many windows, three threads");
@@ -345,8 +350,7 @@ void TestKeptForwardFilter(std::mt19937_64& rng) {
   tapehook::ComputeConvGeometry(tapehook::Padding::kSame, 0, 0, 0, 0, &other);
   std::vector<float> x(2 * 9 * 11 * 44, 1.0f), y(2 * 9 * 11 * 37);
   Check(!tapehook::amx::ForwardFilterFits(*f, other) &&
-            !tapehook::amx::ForwardWith(other, x.data(), *f, y.data(),
-                                        kSerial),
+            !tapehook::amx::ForwardWith(other, x.data(), *f, y.data(), kSerial),
         "kept forward filter: refused for another geometry");
 }
 
@@ -357,9 +361,9 @@ int main() {
   const bool amx = tapehook::amx::Usable();
   TestPackedBackprops(rng, 60);
   if (amx) {  // once more on the non-AMX kernels
-    setenv("TAPEHOOK_NO_AMX", "1", /*overwrite=*/1);
+    tapehook::cpu::SetSwitchesForTest(kNoAmx);
     TestPackedBackprops(rng, 60);
-    unsetenv("TAPEHOOK_NO_AMX");
+    tapehook::cpu::ClearSwitchesForTest();
   }
   std::printf("packed: %d failures\n", g_failures);
   if (!amx) {

@@ -22,6 +22,8 @@
 
 #include "cc_kernels/core/amx_conv.h"
 #include "cc_kernels/core/binary_conv.h"
+#include "cc_kernels/core/cpu.h"
+#include "cc_kernels/core/plan.h"
 
 namespace {
 
@@ -408,8 +410,10 @@ Problem RandomProblem(std::mt19937_64& rng, int i, bool* is_float) {
     s.stride_w = Pick<int64_t>(rng, {1, 2});
     s.dil_h = Pick<int64_t>(rng, {1, 2});
     s.dil_w = Pick<int64_t>(rng, {1, 2});
-    std::uniform_int_distribution<int64_t> size(
-        wide ? 24 : 1, wide ? (packing ? 30 : 60) : large ? 14 : 9);
+    std::uniform_int_distribution<int64_t> size(wide ? 24 : 1,
+                                                wide    ? (packing ? 30 : 60)
+                                                : large ? 14
+                                                        : 9);
     s.in_h = size(rng);
     s.in_w = size(rng);
     const Padding padding = Pick<Padding>(
@@ -426,8 +430,7 @@ Problem RandomProblem(std::mt19937_64& rng, int i, bool* is_float) {
     CHECK(err.empty() == (valid_h && valid_w), "geometry validity: '%s'",
           err.c_str());
     if (!err.empty()) continue;  // too small for the filter; draw again
-    CHECK(s.out_h == oh && s.out_w == ow && s.pad_top == ph &&
-              s.pad_left == pw,
+    CHECK(s.out_h == oh && s.out_w == ow && s.pad_top == ph && s.pad_left == pw,
           "geometry %lld %lld %lld %lld vs ref %lld %lld %lld %lld",
           (long long)s.out_h, (long long)s.out_w, (long long)s.pad_top,
           (long long)s.pad_left, (long long)oh, (long long)ow, (long long)ph,
@@ -487,7 +490,7 @@ void TestGeometry() {
       *in[axis] = c.in, *k[axis] = c.k, *st[axis] = c.stride,
       *dil[axis] = c.dil;
       *in[1 - axis] = 9, *k[1 - axis] = 1, *st[1 - axis] = 1,
-      *dil[1 - axis] = 1;
+              *dil[1 - axis] = 1;
       int64_t pads[4] = {0, 0, 0, 0};
       pads[2 * axis] = c.pb, pads[2 * axis + 1] = c.pa;
       const std::string err = tapehook::ComputeConvGeometry(
@@ -502,13 +505,11 @@ void TestGeometry() {
             "padding %d in %lld k %lld s %lld: out %lld pad %lld, want "
             "%lld %lld",
             int(c.p), (long long)c.in, (long long)c.k, (long long)c.stride,
-            (long long)out, (long long)pad, (long long)c.out,
-            (long long)c.pad);
+            (long long)out, (long long)pad, (long long)c.out, (long long)c.pad);
     }
   }
   ConvShape s;
-  s.batch = 1, s.in_h = s.in_w = 4, s.in_c = 0, s.k_h = s.k_w = 1,
-  s.out_c = 2;
+  s.batch = 1, s.in_h = s.in_w = 4, s.in_c = 0, s.k_h = s.k_w = 1, s.out_c = 2;
   CHECK(!tapehook::ComputeConvGeometry(Padding::kSame, 0, 0, 0, 0, &s).empty(),
         "in_c 0 must be rejected");
 }
@@ -520,9 +521,9 @@ void TestParsingAndEstimators() {
   CHECK(tapehook::ParseEstimator("approx_sign", &e) &&
             e == Estimator::kApproxSign,
         "approx_sign");
-  CHECK(tapehook::ParseEstimator("swish_sign", &e) &&
-            e == Estimator::kSwishSign,
-        "swish_sign");
+  CHECK(
+      tapehook::ParseEstimator("swish_sign", &e) && e == Estimator::kSwishSign,
+      "swish_sign");
   CHECK(tapehook::ParseEstimator("none", &e) && e == Estimator::kNone, "none");
   CHECK(!tapehook::ParseEstimator("sign", &e), "unknown estimator accepted");
   Scale sc = Scale::kNone;
@@ -557,10 +558,77 @@ void TestParsingAndEstimators() {
 }
 
 // Zero-size batch: nothing to compute, but dw must still be written (as 0).
+// The capability query and plan resolution (plan.h): names round-trip, the
+// switches take tiers away, AMX never takes a stride-2 or double conv, a
+// plan that cannot run is refused with a message naming it, and a conv
+// without pixels accepts any plan.
+void TestPlans() {
+  using tapehook::Impl;
+  for (Impl impl :
+       {Impl::kPortable, Impl::kAvx2, Impl::kAvx512, Impl::kAmx, Impl::kBest}) {
+    Impl back = Impl::kPortable;
+    CHECK(tapehook::ParseImpl(tapehook::ImplName(impl), &back) && back == impl,
+          "plan name '%s' round-trips", tapehook::ImplName(impl));
+  }
+  Impl unknown;
+  CHECK(!tapehook::ParseImpl("fastest", &unknown), "unknown plan rejected");
+  ConvShape s;
+  s.batch = 2, s.in_h = 9, s.in_w = 9, s.in_c = 16, s.k_h = 3, s.k_w = 3;
+  s.out_c = 8;
+  tapehook::ComputeConvGeometry(Padding::kSame, 0, 0, 0, 0, &s);
+  auto caps = [&](tapehook::ConvOp op, bool binary, bool is_double,
+                  const ConvShape& shape) {
+    return tapehook::Capabilities(
+        tapehook::QueryOf(op, shape, binary, false, is_double));
+  };
+  const auto fwd = tapehook::ConvOp::kForward;
+  const auto dw = tapehook::ConvOp::kBackpropFilter;
+  CHECK(tapehook::CanRun(caps(fwd, true, false, s), Impl::kPortable) &&
+            !tapehook::CanRun(caps(fwd, true, false, s), Impl::kAmx),
+        "the bitpacked forward runs portable, never AMX");
+  CHECK(tapehook::CanRun(caps(fwd, true, false, s), Impl::kAvx512) ==
+            tapehook::cpu::Avx512(),
+        "avx512 offered exactly where cpu::Avx512()");
+  CHECK(tapehook::CanRun(caps(dw, true, false, s), Impl::kAmx) ==
+            tapehook::amx::Usable(),
+        "AMX offered for a stride-1 float dW exactly where usable");
+  CHECK(!tapehook::CanRun(caps(dw, true, true, s), Impl::kAmx),
+        "no AMX for double");
+  ConvShape strided = s;
+  strided.stride_h = strided.stride_w = 2;
+  tapehook::ComputeConvGeometry(Padding::kSame, 0, 0, 0, 0, &strided);
+  CHECK(!tapehook::CanRun(caps(dw, true, false, strided), Impl::kAmx),
+        "no AMX for stride 2");
+  tapehook::cpu::SetSwitchesForTest({false, false, /*no_avx2=*/true});
+  for (auto op : {fwd, tapehook::ConvOp::kBackpropInput, dw}) {
+    CHECK(caps(op, true, false, s) == 1u, "only portable with no AVX2");
+  }
+  Impl impl = Impl::kAvx2;
+  const std::string err = tapehook::ResolvePlan(
+      tapehook::QueryOf(fwd, s, true, false, false), &impl);
+  CHECK(err.find("plan 'avx2' cannot run") != std::string::npos &&
+            err.find("it can run: portable") != std::string::npos,
+        "refusal names the plan and what can run: %s", err.c_str());
+  ConvShape empty = s;
+  empty.batch = 0;
+  impl = Impl::kAvx2;
+  CHECK(tapehook::ResolvePlan(tapehook::QueryOf(fwd, empty, true, false, false),
+                              &impl)
+                .empty() &&
+            impl == Impl::kPortable,
+        "an empty conv accepts any plan");
+  impl = Impl::kBest;
+  CHECK(
+      tapehook::ResolvePlan(tapehook::QueryOf(dw, s, true, false, false), &impl)
+              .empty() &&
+          impl == Impl::kPortable,
+      "'' resolves to the best");
+  tapehook::cpu::ClearSwitchesForTest();
+}
+
 void TestEmptyBatch() {
   ConvShape s;
-  s.batch = 0, s.in_h = s.in_w = 5, s.in_c = 3, s.k_h = s.k_w = 3,
-  s.out_c = 4;
+  s.batch = 0, s.in_h = s.in_w = 5, s.in_c = 3, s.k_h = s.k_w = 3, s.out_c = 4;
   CHECK(tapehook::ComputeConvGeometry(Padding::kSame, 0, 0, 0, 0, &s).empty(),
         "geometry");
   std::vector<float> w(3 * 3 * 3 * 4, 0.25f);
@@ -568,12 +636,12 @@ void TestEmptyBatch() {
   for (const NamedFor& f : AllFors()) {
     tapehook::BinaryConv2DForward<float>(s, nullptr, w.data(), true,
                                          Scale::kMeanAbs, nullptr, f.pf);
-    tapehook::BinaryConv2DBackpropInput<float>(
-        s, nullptr, w.data(), nullptr, Estimator::kSteSign, 1.0,
-        Scale::kMeanAbs, nullptr, f.pf);
+    tapehook::BinaryConv2DBackpropInput<float>(s, nullptr, w.data(), nullptr,
+                                               Estimator::kSteSign, 1.0,
+                                               Scale::kMeanAbs, nullptr, f.pf);
     tapehook::BinaryConv2DBackpropFilter<float>(
-        s, nullptr, w.data(), nullptr, Estimator::kSteSign,
-        Estimator::kSteSign, 1.0, Scale::kMeanAbs, dw.data(), f.pf);
+        s, nullptr, w.data(), nullptr, Estimator::kSteSign, Estimator::kSteSign,
+        1.0, Scale::kMeanAbs, dw.data(), f.pf);
     bool zeros = true;
     for (float v : dw) zeros &= v == 0.0f;
     CHECK(zeros, "dw for an empty batch must be 0 [%s]", f.name);
@@ -599,29 +667,19 @@ void TestBitpackedTiers() {
   const Tier tiers[] = {{"cpu best", false, false},
                         {"TAPEHOOK_NO_AVX512=1", true, false},
                         {"TAPEHOOK_NO_AVX2=1", false, true}};
-  const char* saved[2] = {std::getenv("TAPEHOOK_NO_AVX512"),
-                          std::getenv("TAPEHOOK_NO_AVX2")};
-  const std::string saved_str[2] = {saved[0] ? saved[0] : "",
-                                    saved[1] ? saved[1] : ""};
   auto set_tier = [](const Tier& t) {
-    if (t.no_avx512) {
-      setenv("TAPEHOOK_NO_AVX512", "1", 1);
-    } else {
-      unsetenv("TAPEHOOK_NO_AVX512");
-    }
-    if (t.no_avx2) {
-      setenv("TAPEHOOK_NO_AVX2", "1", 1);
-    } else {
-      unsetenv("TAPEHOOK_NO_AVX2");
-    }
+    tapehook::cpu::SetSwitchesForTest(
+        {/*no_amx=*/false, t.no_avx512, t.no_avx2});
   };
   constexpr int kSmallCases = 60, kLargeCases = 10, kPointwiseCases = 24;
   // Run layouts (k_h, k_w, in_c, dil_w) at and around those the AVX-512
   // tier's short-row kernels take (1 run of <= 8 words, 3 of 3, 9 of 1):
   // 2 runs of 19 words, 1 run of 9, 9 runs of 1, 3 runs of 6, 2 runs of 2.
-  constexpr int64_t kLayouts[][4] = {
-      {2, 1, 1216, 1}, {1, 1, 576, 1}, {3, 3, 64, 2}, {3, 3, 128, 1},
-      {2, 2, 64, 1}};
+  constexpr int64_t kLayouts[][4] = {{2, 1, 1216, 1},
+                                     {1, 1, 576, 1},
+                                     {3, 3, 64, 2},
+                                     {3, 3, 128, 1},
+                                     {2, 2, 64, 1}};
   constexpr int kLayoutCases = sizeof(kLayouts) / sizeof(kLayouts[0]);
   constexpr int kCases =
       kSmallCases + kLargeCases + kPointwiseCases + kLayoutCases;
@@ -646,9 +704,9 @@ void TestBitpackedTiers() {
       s.batch = Pick<int64_t>(rng, {1, 2});
       s.in_c = large ? Pick<int64_t>(rng, {65, 130, 200})
                      : Pick<int64_t>(rng, {1, 63, 64, 65, 130, 200});
-      s.out_c = large ? Pick<int64_t>(rng, {1, 9, 33, 40})
-                      : Pick<int64_t>(rng, {1, 7, 8, 9, 20, 31, 33, 50, 64,
-                                            100});
+      s.out_c = large
+                    ? Pick<int64_t>(rng, {1, 9, 33, 40})
+                    : Pick<int64_t>(rng, {1, 7, 8, 9, 20, 31, 33, 50, 64, 100});
       const int kernel = Pick<int>(rng, {0, 1, 1, 2, 3, 4});
       const int64_t kh[] = {1, 3, 2, 3, 5}, kw[] = {1, 3, 3, 1, 5};
       s.k_h = kh[kernel], s.k_w = kw[kernel];
@@ -664,8 +722,8 @@ void TestBitpackedTiers() {
         ++s.batch;
       }
       if (pointwise) {
-        s.in_c = Pick<int64_t>(
-            rng, {1, 64, 100, 192, 256, 300, 449, 512, 513, 640});
+        s.in_c =
+            Pick<int64_t>(rng, {1, 64, 100, 192, 256, 300, 449, 512, 513, 640});
         s.out_c = Pick<int64_t>(rng, {1, 7, 16, 17, 33, 40, 64, 100});
         s.k_h = s.k_w = 1;
         s.dil_h = s.dil_w = 1;
@@ -717,9 +775,10 @@ void TestBitpackedTiers() {
           if (y0.empty()) {
             y0 = y;
           } else if (!BitwiseEqual(y.data(), y0.data(), y.size() * sizeof(T))) {
-            std::printf("  bitpacked forward%s differs bitwise from the "
-                        "first tier\n",
-                        tag.c_str());
+            std::printf(
+                "  bitpacked forward%s differs bitwise from the "
+                "first tier\n",
+                tag.c_str());
             ok = false;
           }
         }
@@ -734,14 +793,7 @@ void TestBitpackedTiers() {
           Describe(pr, is_float).c_str());
     passed += ok;
   }
-  for (int k = 0; k < 2; ++k) {
-    const char* name = k == 0 ? "TAPEHOOK_NO_AVX512" : "TAPEHOOK_NO_AVX2";
-    if (saved[k] != nullptr) {
-      setenv(name, saved_str[k].c_str(), 1);
-    } else {
-      unsetenv(name);
-    }
-  }
+  tapehook::cpu::ClearSwitchesForTest();
   std::printf("binary_conv [bitpacked forward, 3 tiers]: %d/%d cases passed\n",
               passed, kCases);
 }
@@ -774,25 +826,23 @@ int main() {
   TestGeometry();
   TestParsingAndEstimators();
   TestEmptyBatch();
+  TestPlans();
   TestBitpackedTiers();
 
   // The core picks AVX2 kernels at run time when the CPU has them, unless
   // TAPEHOOK_NO_AVX2 is set: sweep with the CPU's best ISA, then with the
   // portable fallback forced.
-  const char* first = std::getenv("TAPEHOOK_NO_AVX2");
-  const bool forced_off =
-      first != nullptr && first[0] != '\0' && first[0] != '0';
-  int failed = RunSweep(forced_off ? "portable (TAPEHOOK_NO_AVX2 set)"
-                                   : "cpu best (AMX / AVX2 if supported)");
+  const tapehook::cpu::Switches env = tapehook::cpu::FromEnvironment();
+  int failed = RunSweep(env.no_avx2 ? "portable (TAPEHOOK_NO_AVX2 set)"
+                                    : "cpu best (AMX / AVX2 if supported)");
   if (tapehook::amx::Usable()) {  // the float kernels once more without AMX
-    setenv("TAPEHOOK_NO_AMX", "1", /*overwrite=*/1);
+    tapehook::cpu::SetSwitchesForTest({/*no_amx=*/true, env.no_avx512, false});
     failed += RunSweep("no AMX (TAPEHOOK_NO_AMX=1)");
-    unsetenv("TAPEHOOK_NO_AMX");
   }
-  setenv("TAPEHOOK_NO_AVX2", "1", /*overwrite=*/1);
+  tapehook::cpu::SetSwitchesForTest({false, false, /*no_avx2=*/true});
   TestEmptyBatch();
   failed += RunSweep("portable");
-  if (first == nullptr) unsetenv("TAPEHOOK_NO_AVX2");
+  tapehook::cpu::ClearSwitchesForTest();
   g_stats.failed = failed;
   std::printf(
       "binary_conv: %d sweep cases passed, %d failed; %d other check "

@@ -34,7 +34,9 @@ const char* Status(cudaError_t err) {
 }
 
 cuda::DType DTypeOf(int dtype) { return static_cast<cuda::DType>(dtype); }
-CUstream_st* StreamOf(void* stream) { return static_cast<CUstream_st*>(stream); }
+CUstream_st* StreamOf(void* stream) {
+  return static_cast<CUstream_st*>(stream);
+}
 
 }  // namespace
 
@@ -44,8 +46,8 @@ extern "C" {
 const char* th_geometry(int padding, int64_t pad_t, int64_t pad_b,
                         int64_t pad_l, int64_t pad_r, ConvShape* s) {
   static thread_local std::string err;
-  err = ComputeConvGeometry(static_cast<Padding>(padding), pad_t, pad_b,
-                            pad_l, pad_r, s);
+  err = ComputeConvGeometry(static_cast<Padding>(padding), pad_t, pad_b, pad_l,
+                            pad_r, s);
   return err.empty() ? nullptr : err.c_str();
 }
 
@@ -69,11 +71,10 @@ const char* th_cuda_forward(int dtype, const ConvShape* s, const void* x,
                                    StreamOf(stream));
 }
 
-const char* th_cuda_backprop_input(int dtype, const ConvShape* s,
-                                   const void* x, const void* w,
-                                   const void* dy, int act_est, float clip,
-                                   int scale, void* dx, void* workspace,
-                                   void* stream) {
+const char* th_cuda_backprop_input(int dtype, const ConvShape* s, const void* x,
+                                   const void* w, const void* dy, int act_est,
+                                   float clip, int scale, void* dx,
+                                   void* workspace, void* stream) {
   return cuda::BinaryConv2DBackpropInput(
       DTypeOf(dtype), *s, x, w, dy, static_cast<Estimator>(act_est), clip,
       static_cast<Scale>(scale), dx, workspace, StreamOf(stream));
@@ -97,20 +98,20 @@ void th_cpu_forward(const ConvShape* s, const float* x, const float* w,
 }
 
 void th_cpu_backprop_input(const ConvShape* s, const float* x, const float* w,
-                           const float* dy, int act_est, float clip,
-                           int scale, float* dx) {
+                           const float* dy, int act_est, float clip, int scale,
+                           float* dx) {
   BinaryConv2DBackpropInput<float>(*s, x, w, dy,
                                    static_cast<Estimator>(act_est), clip,
                                    static_cast<Scale>(scale), dx, ThreadsFor);
 }
 
-void th_cpu_backprop_filter(const ConvShape* s, const float* x,
-                            const float* w, const float* dy, int act_est,
-                            int w_est, float clip, int scale, float* dw) {
-  BinaryConv2DBackpropFilter<float>(
-      *s, x, w, dy, static_cast<Estimator>(act_est),
-      static_cast<Estimator>(w_est), clip, static_cast<Scale>(scale), dw,
-      ThreadsFor);
+void th_cpu_backprop_filter(const ConvShape* s, const float* x, const float* w,
+                            const float* dy, int act_est, int w_est, float clip,
+                            int scale, float* dw) {
+  BinaryConv2DBackpropFilter<float>(*s, x, w, dy,
+                                    static_cast<Estimator>(act_est),
+                                    static_cast<Estimator>(w_est), clip,
+                                    static_cast<Scale>(scale), dw, ThreadsFor);
 }
 
 const char* th_malloc(size_t bytes, void** ptr) {

@@ -3,7 +3,8 @@
 // over the kernel's padded tile ranges, and compared with the CPU core.
 //
 //   nvcc -std=c++17 -Icc_kernels cc_kernels/cuda/harness/tile_logic_test.cu
-//        cc_kernels/core/binary_conv.cc cc_kernels/core/amx_conv.cc -o /tmp/t && /tmp/t
+//        cc_kernels/core/binary_conv.cc cc_kernels/core/amx_conv.cc -o /tmp/t
+//        && /tmp/t
 //
 // What this does not cover (needs a GPU, bench/cuda_harness.py): thread to
 // tile mapping, shared memory, synchronization, launch configuration.
@@ -41,8 +42,8 @@ void InlineFor(int64_t total, int64_t,
 }
 
 struct Case {
-  int64_t batch, in_h, in_w, in_c, k_h, k_w, out_c, stride_h, stride_w,
-      dil_h, dil_w;
+  int64_t batch, in_h, in_w, in_c, k_h, k_w, out_c, stride_h, stride_w, dil_h,
+      dil_w;
   Padding padding;
   int64_t pt, pb, pl, pr;
 };
@@ -102,9 +103,9 @@ std::vector<float> ForwardBinary(const Geom& g, const T* x, const T* w,
     for (int o = 0; o < RoundUp(g.out_c, kTile); ++o) {
       int mismatches = 0;
       for (int kw = 0; kw < depth; ++kw) {
-        mismatches += Popcount(
-            PackedIm2ColWord(g, xbits.data(), px, PackedRowAt(g, kw)) ^
-            PackedWeightWord(g, wbits.data(), kw, o));
+        mismatches +=
+            Popcount(PackedIm2ColWord(g, xbits.data(), px, PackedRowAt(g, kw)) ^
+                     PackedWeightWord(g, wbits.data(), kw, o));
       }
       if (px.valid && o < g.out_c) {
         y[p * g.out_c + o] =
@@ -159,8 +160,7 @@ std::vector<float> BackpropInputHost(const Geom& g, const T* x, const T* w,
 
 template <typename T>
 std::vector<float> BackpropFilterHost(const Geom& g, const T* x, const T* w,
-                                      const T* dy, const Spec& sp,
-                                      int splits) {
+                                      const T* dy, const Spec& sp, int splits) {
   const int kn = g.filter_k * g.out_c;
   std::vector<float> partial(size_t(splits) * kn);
   for (int z = 0; z < splits; ++z) {
@@ -246,20 +246,20 @@ void RunCase(const Case& c, const Spec& sp, const ConvShape& s,
   Compare(rounded(y), want, tol, name + " forward");
 
   want.assign(x.size(), 0.0f);
-  BinaryConv2DBackpropInput<float>(s, xr.data(), wr.data(), dyr.data(),
-                                   sp.act, sp.clip, sp.scale, want.data(),
-                                   InlineFor);
+  BinaryConv2DBackpropInput<float>(s, xr.data(), wr.data(), dyr.data(), sp.act,
+                                   sp.clip, sp.scale, want.data(), InlineFor);
   Compare(rounded(BackpropInputHost(g, xt.data(), wt.data(), dyt.data(), sp)),
           want, tol, name + " backprop_input");
 
   want.assign(w.size(), 0.0f);
-  BinaryConv2DBackpropFilter<float>(s, xr.data(), wr.data(), dyr.data(),
-                                    sp.act, sp.weight, sp.clip, sp.scale,
-                                    want.data(), InlineFor);
+  BinaryConv2DBackpropFilter<float>(s, xr.data(), wr.data(), dyr.data(), sp.act,
+                                    sp.weight, sp.clip, sp.scale, want.data(),
+                                    InlineFor);
   for (int splits : {1, 3, 7}) {
-    Compare(rounded(BackpropFilterHost(g, xt.data(), wt.data(), dyt.data(),
-                                       sp, splits)),
-            want, tol, name + " backprop_filter splits=" + std::to_string(splits));
+    Compare(rounded(BackpropFilterHost(g, xt.data(), wt.data(), dyt.data(), sp,
+                                       splits)),
+            want, tol,
+            name + " backprop_filter splits=" + std::to_string(splits));
   }
 }
 
@@ -328,7 +328,8 @@ int main() {
     if (!err.empty()) continue;
     CheckIndexHelpers(MakeGeom(s), name);
     const Spec& sp = kSpecs[index % (sizeof(kSpecs) / sizeof(kSpecs[0]))];
-    const Spec& sp2 = kSpecs[(index + 2) % (sizeof(kSpecs) / sizeof(kSpecs[0]))];
+    const Spec& sp2 =
+        kSpecs[(index + 2) % (sizeof(kSpecs) / sizeof(kSpecs[0]))];
     RunCase<float>(c, sp, s, rng, 1e-4, name + " float32");
     RunCase<__half>(c, sp2, s, rng, 2e-2, name + " float16");
     ++index;

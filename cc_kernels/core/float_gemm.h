@@ -1,0 +1,274 @@
+// The float-operand kernels without AMX (binary_conv.cc): im2col / col2im
+// around one small register-blocked GEMM. Plain portable C++17, the inner
+// loops written so that -O3 vectorizes them without any -march flags; the
+// AVX2 tiles (simd_avx2.h) where the plan says kAvx2.
+#ifndef TAPEHOOK_CORE_FLOAT_GEMM_H_
+#define TAPEHOOK_CORE_FLOAT_GEMM_H_
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "conv_util.h"
+#include "geometry.h"
+#include "plan.h"
+#include "simd_avx2.h"
+
+namespace tapehook {
+
+// Output pixels per im2col block: a [P, K] block stays in L2; a multiple
+// of both GEMM tiles' row counts (4 and 6).
+constexpr int64_t kPixelBlock = 48;
+// BackpropFilter's GEMM has depth = pixels; longer blocks amortize the loads
+// and stores of its accumulator (the unit's rows of dW).
+constexpr int64_t kFilterPixelBlock = 256;
+// Depth of one GEMM pass, so the panels of A and B a tile reads stay in L1.
+constexpr int64_t kDepthBlock = 128;
+// Columns of B per pass: a [kDepthBlock, kColumnBlock] slice is 128 KiB.
+constexpr int64_t kColumnBlock = 256;
+// Input channels per BackpropFilter work unit (one tap times this many
+// channels are the unit's rows of dW).
+constexpr int64_t kFilterChannelBlock = 64;
+
+// Portable register tile of the GEMM: kMR rows by kNR columns of C, kNR
+// being two 128-bit vectors (SSE2 is all that the portable build may assume).
+template <typename T>
+struct GemmTile {
+  static constexpr int kMR = 4;
+  static constexpr int kNR = 32 / sizeof(T);
+};
+
+// c[i, j] (+)= sum_k a[k][i] * b[k, j] for one tile, a being a packed
+// [depth][MR] panel. With kFullN the tile is NR wide, its loops unroll
+// fully and acc lives in registers. Rows >= mr of the panel are zeros and are
+// computed but not stored.
+template <typename T, int MR, int NR, bool kFullN>
+inline void GemmTileKernel(int64_t depth, const T* a, const T* b, int64_t ldb,
+                           T* c, int64_t ldc, bool accumulate, int mr, int nr) {
+  const int n = kFullN ? NR : nr;
+  T acc[MR][NR] = {};
+  if (accumulate) {
+    for (int i = 0; i < mr; ++i) {
+      for (int j = 0; j < n; ++j) acc[i][j] = c[i * ldc + j];
+    }
+  }
+  for (int64_t k = 0; k < depth; ++k) {
+    const T* ak = a + k * MR;
+    const T* bk = b + k * ldb;
+    for (int i = 0; i < MR; ++i) {
+      for (int j = 0; j < n; ++j) acc[i][j] += ak[i] * bk[j];
+    }
+  }
+  for (int i = 0; i < mr; ++i) {
+    for (int j = 0; j < n; ++j) c[i * ldc + j] = acc[i][j];
+  }
+}
+
+// Column width of the GEMM's register tile on the plan's tier (the AVX2
+// tiles for every tier above portable: kAmx plans get here only for work the
+// AMX kernels leave, and cpu.h grants AMX only with AVX2).
+template <typename T>
+int GemmNR(Impl impl) {
+#if TAPEHOOK_HAVE_AVX2_PATH
+  if (impl != Impl::kPortable) return simd::GemmNR<T>();
+#endif
+  return GemmTile<T>::kNR;
+}
+
+// B[depth, n] (read through strides) packed as ceil(n / nr) panels of
+// [depth][nr], zero-padded past n: the tile kernel then streams contiguous
+// memory (rows of B a power-of-two apart would otherwise fall into a few L1
+// sets). Weights and dY are packed once per kernel call.
+template <typename T>
+struct PackedB {
+  int64_t depth = 0, n = 0, nr = 0;
+  std::vector<T> data;
+};
+
+// Rows [k_begin, k_begin + depth) of a PackedB: the B of one GEMM.
+template <typename T>
+struct PackedRows {
+  const PackedB<T>* b;
+  int64_t k_begin, depth;
+  int64_t n() const { return b->n; }
+  int64_t nr() const { return b->nr; }
+  const T* Panel(int64_t j0, int64_t k0) const {  // j0: a multiple of nr
+    return b->data.data() + j0 * b->depth + (k_begin + k0) * b->nr;
+  }
+};
+
+template <typename T>
+PackedRows<T> AllRows(const PackedB<T>& b) {
+  return {&b, 0, b.depth};
+}
+
+// Packs B into out (depth, n and the ISA's tile width), by parallel_for
+// over panels.
+template <typename T>
+void PackB(int64_t depth, int64_t n, const T* b, int64_t b_rs, int64_t b_cs,
+           Impl impl, const ParallelFor& parallel_for, PackedB<T>* out) {
+  const int64_t nr = GemmNR<T>(impl);
+  out->depth = depth;
+  out->n = n;
+  out->nr = nr;
+  out->data.resize(RoundUp(n, nr) * depth);
+  parallel_for(RoundUp(n, nr) / nr, depth * nr, [&](int64_t p0, int64_t p1) {
+    for (int64_t j0 = p0 * nr; j0 < p1 * nr; j0 += nr) {
+      const int64_t cols = std::min(nr, n - j0);
+      T* dst = out->data.data() + j0 * depth;
+      for (int64_t k = 0; k < depth; ++k) {
+        const T* src = b + k * b_rs + j0 * b_cs;
+        for (int64_t j = 0; j < nr; ++j) {
+          dst[k * nr + j] = j < cols ? src[j * b_cs] : T(0);
+        }
+      }
+    }
+  });
+}
+
+// C[m, n] (+)= A[m, depth] * B[depth, n] with an MR x NR register tile;
+// full tiles go to full_tile (portable or AVX2), the ragged right edge to
+// the portable kernel. C is row-major; A is read through strides so col*W,
+// dY*W^T and col^T*dY all use this one routine, and packed into [depth][MR]
+// panels so the tile kernel vectorizes across columns, not depth. Columns
+// are blocked so the B panels that all row panels reuse stay in L2.
+template <typename T, int MR, int NR, typename FullTile>
+void GemmBlocked(int64_t m, const T* a, int64_t a_rs, int64_t a_cs,
+                 const PackedRows<T>& b, T* c, int64_t ldc, bool accumulate,
+                 FullTile full_tile) {
+  T a_panel[kDepthBlock * MR];
+  for (int64_t k0 = 0; k0 < b.depth; k0 += kDepthBlock) {
+    const int64_t kc = std::min(kDepthBlock, b.depth - k0);
+    const bool acc = accumulate || k0 > 0;
+    for (int64_t jb = 0; jb < b.n(); jb += kColumnBlock) {
+      const int64_t jb_end = std::min(b.n(), jb + kColumnBlock);
+      for (int64_t i0 = 0; i0 < m; i0 += MR) {
+        const int mr = static_cast<int>(std::min<int64_t>(MR, m - i0));
+        const T* at = a + i0 * a_rs + k0 * a_cs;
+        if (a_rs == 1 && mr == MR) {  // col^T of BackpropFilter: runs of MR
+          for (int64_t k = 0; k < kc; ++k) {
+            std::copy_n(at + k * a_cs, MR, a_panel + k * MR);
+          }
+        } else {
+          for (int64_t k = 0; k < kc; ++k) {
+            for (int i = 0; i < MR; ++i) {
+              a_panel[k * MR + i] = i < mr ? at[i * a_rs + k * a_cs] : T(0);
+            }
+          }
+        }
+        for (int64_t j0 = jb; j0 < jb_end; j0 += NR) {
+          const int nr = static_cast<int>(std::min<int64_t>(NR, jb_end - j0));
+          T* ct = c + i0 * ldc + j0;
+          if (nr == NR) {
+            full_tile(kc, a_panel, b.Panel(j0, k0), NR, ct, ldc, acc, mr);
+          } else {
+            GemmTileKernel<T, MR, NR, false>(kc, a_panel, b.Panel(j0, k0), NR,
+                                             ct, ldc, acc, mr, nr);
+          }
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+void Gemm(int64_t m, const T* a, int64_t a_rs, int64_t a_cs,
+          const PackedRows<T>& b, T* c, int64_t ldc, bool accumulate) {
+#if TAPEHOOK_HAVE_AVX2_PATH
+  // PackB chose the tile width by the tier in use.
+  if (b.nr() == simd::GemmNR<T>()) {
+    GemmBlocked<T, simd::kGemmMR, simd::GemmNR<T>()>(
+        m, a, a_rs, a_cs, b, c, ldc, accumulate, simd::GemmTile<T>);
+    return;
+  }
+#endif
+  constexpr int MR = GemmTile<T>::kMR, NR = GemmTile<T>::kNR;
+  GemmBlocked<T, MR, NR>(
+      m, a, a_rs, a_cs, b, c, ldc, accumulate,
+      [](int64_t kc, const T* panel, const T* bt, int64_t ldb, T* ct,
+         int64_t ldc_, bool acc, int mr) {
+        GemmTileKernel<T, MR, NR, true>(kc, panel, bt, ldb, ct, ldc_, acc, mr,
+                                        NR);
+      });
+}
+
+// W_hat packed for the GEMM: the [K, out_c] matrix (HWIO flattened), or its
+// transpose [out_c, K].
+template <typename T>
+PackedB<T> PackedSignedWeights(const ConvShape& s, const T* w, Scale scale,
+                               bool transpose, Impl impl,
+                               const ParallelFor& parallel_for) {
+  const int64_t K = FilterSize(s);
+  const int64_t N = s.out_c;
+  const std::vector<double> alpha = Alpha(s, w, scale);
+  std::vector<T> w_hat(K * N);
+  for (int64_t k = 0; k < K; ++k) {
+    for (int64_t o = 0; o < N; ++o) {
+      w_hat[k * N + o] = static_cast<T>(alpha[o]) * Sign(w[k * N + o]);
+    }
+  }
+  PackedB<T> packed;
+  PackB(transpose ? N : K, transpose ? K : N, w_hat.data(), transpose ? 1 : N,
+        transpose ? N : 1, impl, parallel_for, &packed);
+  return packed;
+}
+
+// Row p of col [np, (tap1 - tap0) * (c1 - c0)] holds input channels
+// [c0, c1) of kernel taps [tap0, tap1) (tap = kh * k_w + kw) of the
+// receptive field of output pixel pix0 + p, laid out like the K axis of an
+// HWIO filter. Taps in the padding are 0 (not sign(0)); x_hat = sign(x)
+// when binary.
+template <typename T>
+void Im2Col(const ConvShape& s, const T* x, bool binary, int64_t pix0,
+            int64_t np, int64_t tap0, int64_t tap1, int64_t c0, int64_t c1,
+            T* col) {
+  const int64_t C = s.in_c, width = c1 - c0;
+  for (int64_t p = 0; p < np; ++p) {
+    const PixelPos q = Pos(s, pix0 + p);
+    const T* xn = x + q.n * s.in_h * s.in_w * C + c0;
+    T* dst = col + p * (tap1 - tap0) * width;
+    for (int64_t tap = tap0; tap < tap1; ++tap, dst += width) {
+      const int64_t ih = q.oh * s.stride_h - s.pad_top + tap / s.k_w * s.dil_h;
+      const int64_t iw = q.ow * s.stride_w - s.pad_left + tap % s.k_w * s.dil_w;
+      if (ih < 0 || ih >= s.in_h || iw < 0 || iw >= s.in_w) {
+        std::fill(dst, dst + width, T(0));
+        continue;
+      }
+      const T* src = xn + (ih * s.in_w + iw) * C;
+      if (binary) {
+        for (int64_t c = 0; c < width; ++c) dst[c] = Sign(src[c]);
+      } else {
+        std::copy(src, src + width, dst);
+      }
+    }
+  }
+}
+
+// Adds row p of dcol [np, K] into the input pixels that output pixel
+// pix0 + p reads (the adjoint of Im2Col).
+template <typename T>
+void Col2ImAdd(const ConvShape& s, const T* dcol, int64_t pix0, int64_t np,
+               T* dx) {
+  const int64_t K = FilterSize(s);
+  const int64_t C = s.in_c;
+  for (int64_t p = 0; p < np; ++p) {
+    const PixelPos q = Pos(s, pix0 + p);
+    T* dxn = dx + q.n * s.in_h * s.in_w * C;
+    const T* row = dcol + p * K;
+    for (int64_t kh = 0; kh < s.k_h; ++kh) {
+      const int64_t ih = q.oh * s.stride_h - s.pad_top + kh * s.dil_h;
+      if (ih < 0 || ih >= s.in_h) continue;
+      for (int64_t kw = 0; kw < s.k_w; ++kw) {
+        const int64_t iw = q.ow * s.stride_w - s.pad_left + kw * s.dil_w;
+        if (iw < 0 || iw >= s.in_w) continue;
+        const T* src = row + (kh * s.k_w + kw) * C;
+        T* dst = dxn + (ih * s.in_w + iw) * C;
+        for (int64_t c = 0; c < C; ++c) dst[c] += src[c];
+      }
+    }
+  }
+}
+
+}  // namespace tapehook
+
+#endif  // TAPEHOOK_CORE_FLOAT_GEMM_H_

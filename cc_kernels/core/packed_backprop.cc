@@ -1,0 +1,98 @@
+// Backprops of a binary-activation conv whose input is kept as packed sign /
+// mask bits (pack_input.h): the AMX kernels read the bits, the other plans
+// run the float kernels on a stand-in input with the same signs and masks.
+#include "packed_backprop.h"
+
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "amx_conv.h"
+#include "binary_conv.h"
+#include "pack_input.h"
+#include "plan.h"
+
+namespace tapehook {
+
+namespace {
+
+// A float input with the packed signs and masks: +-clip where the mask is
+// set, +-(2 clip + 1) where not, so sign() and 1{|t| <= clip} give them back.
+template <typename T>
+std::vector<T> StandIn(const ConvShape& s, const uint8_t* packed, double clip,
+                       const ParallelFor& parallel_for) {
+  const int64_t rows = s.batch * s.in_h * s.in_w, channels = s.in_c;
+  std::vector<T> x_hat(rows * channels), mask(rows * channels);
+  UnpackSignMask(packed, rows, channels, x_hat.data(), mask.data(),
+                 parallel_for);
+  const T in = static_cast<T>(clip), out = static_cast<T>(2 * clip + 1);
+  for (int64_t i = 0; i < rows * channels; ++i) {
+    x_hat[i] *= mask[i] != T(0) ? in : out;
+  }
+  return x_hat;
+}
+
+}  // namespace
+
+template <typename T>
+void BinaryConv2DBackpropInputPacked(const ConvShape& s, const uint8_t* packed,
+                                     const T* w, const T* dy, double clip,
+                                     Scale scale, T* dx,
+                                     const ParallelFor& parallel_for,
+                                     Impl impl) {
+  impl = RunnableOrBest(
+      QueryOf(ConvOp::kBackpropInput, s, true, true, std::is_same_v<T, double>),
+      impl);
+  if constexpr (std::is_same<T, float>::value) {
+    if (impl == Impl::kAmx) {
+      const std::vector<float> a = FilterAlphaFloats(s, w, scale);
+      if (amx::BackpropInputPacked(s, packed, w, dy, AlphaOrNull(a), dx,
+                                   parallel_for)) {
+        return;
+      }
+    }
+  }
+  const std::vector<T> x = StandIn<T>(s, packed, clip, parallel_for);
+  BinaryConv2DBackpropInput(s, x.data(), w, dy, Estimator::kSteSign, clip,
+                            scale, dx, parallel_for, impl);
+}
+
+template <typename T>
+void BinaryConv2DBackpropFilterPacked(const ConvShape& s, const uint8_t* packed,
+                                      const T* w, const T* dy, Estimator w_est,
+                                      double clip, Scale scale, T* dw,
+                                      const ParallelFor& parallel_for,
+                                      Impl impl) {
+  impl = RunnableOrBest(QueryOf(ConvOp::kBackpropFilter, s, true, true,
+                                std::is_same_v<T, double>),
+                        impl);
+  if constexpr (std::is_same<T, float>::value) {
+    if (impl == Impl::kAmx) {
+      const std::vector<float> a = FilterAlphaFloats(s, w, scale);
+      if (amx::BackpropFilterPacked(s, packed, w, dy, w_est, clip,
+                                    AlphaOrNull(a), dw, parallel_for)) {
+        return;
+      }
+    }
+  }
+  const std::vector<T> x = StandIn<T>(s, packed, clip, parallel_for);
+  BinaryConv2DBackpropFilter(s, x.data(), w, dy, Estimator::kSteSign, w_est,
+                             clip, scale, dw, parallel_for, impl);
+}
+
+template void BinaryConv2DBackpropInputPacked<float>(const ConvShape&,
+                                                     const uint8_t*,
+                                                     const float*, const float*,
+                                                     double, Scale, float*,
+                                                     const ParallelFor&, Impl);
+template void BinaryConv2DBackpropInputPacked<double>(
+    const ConvShape&, const uint8_t*, const double*, const double*, double,
+    Scale, double*, const ParallelFor&, Impl);
+template void BinaryConv2DBackpropFilterPacked<float>(
+    const ConvShape&, const uint8_t*, const float*, const float*, Estimator,
+    double, Scale, float*, const ParallelFor&, Impl);
+template void BinaryConv2DBackpropFilterPacked<double>(
+    const ConvShape&, const uint8_t*, const double*, const double*, Estimator,
+    double, Scale, double*, const ParallelFor&, Impl);
+
+}  // namespace tapehook

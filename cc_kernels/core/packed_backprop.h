@@ -1,0 +1,34 @@
+// Backprops of a binary-activation conv whose input is kept as packed bits.
+#ifndef TAPEHOOK_CORE_PACKED_BACKPROP_H_
+#define TAPEHOOK_CORE_PACKED_BACKPROP_H_
+
+#include <cstdint>
+
+#include "binary_conv.h"
+#include "pack_input.h"
+#include "plan.h"
+
+namespace tapehook {
+
+// Backprops of a binary-activation conv with the ste_sign input estimator,
+// its input given as packed sign / mask bits (what the backward keeps):
+// the same results as BinaryConv2DBackpropInput / Filter on x with
+// act_est = kSteSign. On AMX (impl kAmx, float) the kernels read the bits
+// directly; elsewhere a float stand-in for x with the same signs and masks
+// is built.
+template <typename T>
+void BinaryConv2DBackpropInputPacked(const ConvShape& s, const uint8_t* packed,
+                                     const T* w, const T* dy, double clip,
+                                     Scale scale, T* dx,
+                                     const ParallelFor& parallel_for,
+                                     Impl impl = Impl::kBest);
+template <typename T>
+void BinaryConv2DBackpropFilterPacked(const ConvShape& s, const uint8_t* packed,
+                                      const T* w, const T* dy, Estimator w_est,
+                                      double clip, Scale scale, T* dw,
+                                      const ParallelFor& parallel_for,
+                                      Impl impl = Impl::kBest);
+
+}  // namespace tapehook
+
+#endif  // TAPEHOOK_CORE_PACKED_BACKPROP_H_

@@ -1,0 +1,134 @@
+"""Binary Conv2D backward: the registered "Conv2D" gradient, dispatching on marks.
+
+``conv2d_grad`` replaces TF's registered Conv2D gradient (patches.py). It reads
+the binary spec fixed at forward time on the filter tensor a tape recorded
+(conv2d.py sets it); a Conv2D without one gets TF's own gradient, bit for
+bit. ``binary_conv2d_op_grad`` is the gradient of tapehook's
+TapehookBinaryConv2D graph op (tf.gradients, a tf.function under an outer
+tape, a loaded SavedModel): the spec is in the op's attrs.
+
+Both take one backward: each backprop (dX, dW) runs where the dispatcher
+says, a kernel plan or stock convolutions on the binarized operands, from x
+or from the packed input bits the forward kept instead of x.
+"""
+
+import dataclasses
+
+import tensorflow as tf
+
+from tapehook import counts, dispatch, kernels, reference, registry
+from tapehook.errors import TapehookError
+from tapehook.packing import PackedInput
+from tapehook.spec import BinarySpec
+
+FORWARD_SPEC_ATTR = "_tapehook_forward_spec"  # on the filter tensor a tape records
+BACKPROPS = ("backprop_input", "backprop_filter")  # one per Conv2D input (x, W)
+
+# kernel op per backprop: (from x, from packed input bits)
+_KERNEL_OPS = {
+    "backprop_input": ("tapehook_binary_conv2d_backprop_input",
+                       "tapehook_binary_conv2d_backprop_input_packed"),
+    "backprop_filter": ("tapehook_binary_conv2d_backprop_filter",
+                        "tapehook_binary_conv2d_backprop_filter_packed"),
+}
+
+
+def _text(value):
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def conv_attrs(get_attr) -> dict:
+    """The Conv2D attrs the binary kernels share, read with ``get_attr(name)``."""
+    return {
+        "strides": list(get_attr("strides")),
+        "padding": _text(get_attr("padding")),
+        "explicit_paddings": list(get_attr("explicit_paddings")),
+        "data_format": _text(get_attr("data_format")),
+        "dilations": list(get_attr("dilations")),
+    }
+
+
+@dataclasses.dataclass
+class PackedConvOp:
+    """The Conv2D a tape recorded with packed input bits instead of x."""
+
+    packed: PackedInput
+    filter: tf.Tensor
+    attrs: dict
+    skip_input_indices: tuple
+    type = "Conv2D"
+
+    @property
+    def inputs(self):
+        return (self.packed, self.filter)
+
+    def get_attr(self, name):
+        return self.attrs[name]
+
+
+def _library():
+    library = kernels.library()
+    if library is None:
+        raise TapehookError(
+            "a binary Conv2D recorded on the compiled kernels needs them for its "
+            "gradient, but they are not loaded; see tapehook.kernel_info()")
+    return library
+
+
+def _kernel_backprop(op, plan, x, w, dy, spec, attrs):
+    """One backprop on the kernels, from x or from the packed input bits."""
+    from_x, from_bits = _KERNEL_OPS[op]
+    common = {**attrs, **spec.op_attrs(op), "plan": plan}
+    if isinstance(x, PackedInput):
+        return getattr(_library(), from_bits)(x.packed, w, dy, **common, channels=x.channels)
+    return getattr(_library(), from_x)(x, w, dy, **common)
+
+
+def _stock_backprops(ops, x, w, dy, spec, attrs):
+    """{op: gradient} for the backprops ``ops`` on stock convolutions of the
+    binarized operands; packed bits are unpacked to x_hat and e'(x) first."""
+    counts.count_reference(**{op: 1 for op in ops})
+    input_mask = None
+    if isinstance(x, PackedInput):
+        x, input_mask = x.unpack()
+    dx, dw = reference.binary_conv2d_backward(
+        x, w, dy, spec, attrs["strides"], attrs["padding"], attrs["explicit_paddings"],
+        attrs["dilations"], need_dx="backprop_input" in ops,
+        need_dw="backprop_filter" in ops, input_mask=input_mask)
+    return {op: grad for op, grad in zip(BACKPROPS, (dx, dw)) if op in ops}
+
+
+def binary_backward(x, w, dy, spec, attrs, skip=()):
+    """(dX, dW), None where skipped. ``x`` may be the PackedInput kept instead
+    of the input. Each backprop takes its own path (the dispatcher may split
+    them)."""
+    packed = isinstance(x, PackedInput)
+    paths = {op: dispatch.backprop_path(
+        attrs, dy.dtype.name, x.shape, w.shape, filter_grad=op == "backprop_filter",
+        binary_input=bool(spec.activation_estimator), packed=packed, spec=spec)
+        for i, op in enumerate(BACKPROPS) if i not in skip}
+    stock = [op for op, path in paths.items() if path == dispatch.STOCK]
+    grads = _stock_backprops(stock, x, w, dy, spec, attrs) if stock else {}
+    for op, path in paths.items():
+        if dispatch.runs_kernels(path):
+            grads[op] = _kernel_backprop(op, path, x, w, dy, spec, attrs)
+    return tuple(grads.get(op) for op in BACKPROPS)
+
+
+def conv2d_grad(op, grad):
+    """The registered "Conv2D" gradient while tapehook is installed."""
+    spec = getattr(op.inputs[1], FORWARD_SPEC_ATTR, None)
+    if spec is None:
+        return registry.original_gradient("Conv2D")(op, grad)
+    skip = tuple(getattr(op, "skip_input_indices", None) or ())
+    return binary_backward(op.inputs[0], op.inputs[1], grad, spec, conv_attrs(op.get_attr),
+                           skip)
+
+
+def binary_conv2d_op_grad(op, grad):
+    """Gradient of a TapehookBinaryConv2D graph op: the spec is in its attrs,
+    the input's bits (binary activations) on the op when it was built here."""
+    skip = tuple(getattr(op, "skip_input_indices", None) or ())
+    x = getattr(op, "_tapehook_packed_input", None) or op.inputs[0]
+    return binary_backward(x, op.inputs[1], grad, BinarySpec.from_op_attrs(op.get_attr),
+                           conv_attrs(op.get_attr), skip)
