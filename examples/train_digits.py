@@ -5,10 +5,15 @@ their inputs and kernels) with max-pooling and BatchNorm, and a float dense
 head, trained with Adam on a cosine schedule. The same architecture is also trained in float for comparison. Prints
 tapehook.summary, both test accuracies, the time per epoch and the dispatch
 counts (proof that the binary kernels ran), and writes a PNG of the curves.
+Then deploys the binary model: a .tflite for LiteRT and one for Larq Compute
+Engine (every binary conv an LceBconv2d), each run on the test set by its own
+interpreter to print the accuracy of the file itself. The first LCE export
+builds LCE's side environment (minutes, once; docs/deploy.md).
 """
 
 import argparse
 import os
+import tempfile
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -20,6 +25,7 @@ from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.model_selection import train_test_split  # noqa: E402
 
 import tapehook  # noqa: E402
+import tapehook.deploy  # noqa: E402
 
 BATCH = 64
 
@@ -29,8 +35,9 @@ def load_data(size):
     digits = load_digits()
     images = digits.images[..., None].astype("float32") / 8.0 - 1.0
     images = tf.image.resize(images, (size, size)).numpy()
-    return train_test_split(images, digits.target, test_size=0.25, random_state=0,
-                            stratify=digits.target)
+    return train_test_split(
+        images, digits.target, test_size=0.25, random_state=0, stratify=digits.target
+    )
 
 
 def build_model(size, binary):
@@ -38,8 +45,7 @@ def build_model(size, binary):
     h = keras.layers.Conv2D(32, 3, padding="same", use_bias=False, name="stem")(inputs)
     h = keras.layers.BatchNormalization(momentum=0.9)(h)
     for i, filters in enumerate((64, 64)):
-        h = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False,
-                                name=f"conv{i + 1}")(h)
+        h = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False, name=f"conv{i + 1}")(h)
         h = keras.layers.MaxPooling2D()(h)
         h = keras.layers.BatchNormalization(momentum=0.9)(h)
     h = keras.layers.Dropout(0.3)(keras.layers.Flatten()(h))
@@ -61,19 +67,46 @@ class EpochTimer(keras.callbacks.Callback):
 def train(model, data, epochs, verbose):
     x_train, x_test, y_train, y_test = data
     steps = epochs * -(-len(x_train) // BATCH)
-    model.compile(optimizer=keras.optimizers.Adam(
-                      keras.optimizers.schedules.CosineDecay(3e-3, steps)),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-    history = model.fit(x_train, y_train, batch_size=BATCH, epochs=epochs,
-                        validation_data=(x_test, y_test), callbacks=[EpochTimer()],
-                        verbose=verbose)
+    model.compile(
+        optimizer=keras.optimizers.Adam(keras.optimizers.schedules.CosineDecay(3e-3, steps)),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    history = model.fit(
+        x_train,
+        y_train,
+        batch_size=BATCH,
+        epochs=epochs,
+        validation_data=(x_test, y_test),
+        callbacks=[EpochTimer()],
+        verbose=verbose,
+    )
     _, accuracy = model.evaluate(x_test, y_test, verbose=0)
     return history.history, accuracy
 
 
+def deploy(model, data, directory, targets):
+    """Exports ``model`` for each target and measures the file's own test
+    accuracy with that target's interpreter."""
+    _, x_test, _, y_test = data
+    accuracies = {}
+    for target in targets:
+        path = os.path.join(directory, f"digits_binary_{target}.tflite")
+        report = tapehook.deploy.export_tflite(model, path, target=target)
+        logits = tapehook.deploy.run_tflite(path, x_test, target=target)
+        accuracies[target] = float(np.mean(np.argmax(logits, -1) == y_test))
+        bconv = report["ops"].get("LceBconv2d")
+        print(
+            f"{target:6s} {path}: {report['bytes'] / 1024:.1f} KiB"
+            + (f", {bconv} LceBconv2d" if bconv is not None else "")
+            + f", test accuracy {accuracies[target]:.4f} (run from the file)"
+        )
+    return accuracies
+
+
 def plot(histories, path):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -96,6 +129,14 @@ def main(argv=None):
     parser.add_argument("--size", type=int, default=16, help="image side after resizing")
     parser.add_argument("--plot", default="digits_training.png")
     parser.add_argument("--verbose", type=int, default=2)
+    parser.add_argument(
+        "--deploy", default="litert,lce", help="targets to export the binary model to ('' for none)"
+    )
+    parser.add_argument(
+        "--deploy-dir",
+        default=None,
+        help="where the .tflite files go (default: a new temporary directory)",
+    )
     args = parser.parse_args(argv)
 
     data = load_data(args.size)
@@ -107,19 +148,26 @@ def main(argv=None):
     counts = tapehook.dispatch_counts()
 
     keras.utils.set_random_seed(0)
-    float_history, float_accuracy = train(build_model(args.size, binary=False), data,
-                                          args.epochs, verbose=0)
+    float_history, float_accuracy = train(
+        build_model(args.size, binary=False), data, args.epochs, verbose=0
+    )
     # Epoch 1 includes tracing; the steady state is what a user waits for.
     per_epoch = np.median(binary_history["seconds"][1:] or binary_history["seconds"])
     print(f"binary model: test accuracy {binary_accuracy:.4f}, {per_epoch:.2f} s/epoch")
-    print(f"float model:  test accuracy {float_accuracy:.4f}, "
-          f"{np.median(float_history['seconds'][1:] or float_history['seconds']):.2f} s/epoch")
+    print(
+        f"float model:  test accuracy {float_accuracy:.4f}, "
+        f"{np.median(float_history['seconds'][1:] or float_history['seconds']):.2f} s/epoch"
+    )
     print("binary kernel runs:", counts["compiled"], "reference path:", counts["reference"])
     if args.plot:
         plot({"binary": binary_history, "float": float_history}, args.plot)
         print("curves written to", args.plot)
     if counts["compiled"]["backprop_filter"] + counts["reference"]["backprop_filter"] == 0:
         raise SystemExit("binary gradients never ran: binarization was not active")
+    targets = [t for t in args.deploy.split(",") if t]
+    if targets:
+        directory = args.deploy_dir or tempfile.mkdtemp(prefix="digits-deploy-")
+        deploy(binary_model, data, directory, targets)
     return binary_accuracy, float_accuracy
 
 
