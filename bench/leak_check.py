@@ -25,11 +25,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=10_000)
     args = parser.parse_args()
-    model = keras.Sequential([keras.Input((16, 16, 3)),
-                              keras.layers.Conv2D(16, 3, padding="same", use_bias=False),
-                              keras.layers.BatchNormalization(),
-                              keras.layers.Conv2D(16, 3, padding="same", use_bias=False),
-                              keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(10)])
+    model = keras.Sequential(
+        [
+            keras.Input((16, 16, 3)),
+            keras.layers.Conv2D(16, 3, padding="same", use_bias=False),
+            keras.layers.BatchNormalization(),
+            keras.layers.Conv2D(16, 3, padding="same", use_bias=False),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(10),
+        ]
+    )
     tapehook.binarize(model, first_and_last_float=True, activations=True)
     optimizer = keras.optimizers.SGD(0.01)
     x = tf.random.normal([8, 16, 16, 3])
@@ -46,8 +51,16 @@ def main():
             print(f"step {step:6d}  rss {samples[-1][1]:8.1f} MiB", flush=True)
     counts = tapehook.dispatch_counts()["compiled"]
     growth = samples[-1][1] - samples[0][1]
-    print(json.dumps({"steps": args.steps, "rss_mib": samples,
-                      "growth_after_first_1000_mib": round(growth, 1), "counts": counts}))
+    print(
+        json.dumps(
+            {
+                "steps": args.steps,
+                "rss_mib": samples,
+                "growth_after_first_1000_mib": round(growth, 1),
+                "counts": counts,
+            }
+        )
+    )
     assert counts["backprop_filter"] == args.steps, counts
 
 

@@ -45,6 +45,7 @@ def child(impl, mode, batch):
     def ste_sign(t):
         def grad(dy):
             return dy * tf.cast(tf.abs(t) <= 1, dy.dtype)
+
         return tf.where(t >= 0, tf.ones_like(t), -tf.ones_like(t)), grad
 
     if impl == "tapehook":
@@ -62,7 +63,7 @@ def child(impl, mode, batch):
             h = x0
             for w, s in zip(filters, scales):
                 h = layer(h, w, s)
-            loss = tf.reduce_mean(h ** 2)
+            loss = tf.reduce_mean(h**2)
         grads = tape.gradient(loss, filters + scales)
         return loss, grads
 
@@ -74,14 +75,28 @@ def child(impl, mode, batch):
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     elements = batch * SIZE * SIZE * CHANNELS * LAYERS
     kept = elements * (2 / 8 if impl == "tapehook" else 8)  # bits vs float x + x_hat
-    print(json.dumps({"impl": impl, "mode": mode, "batch": batch, "peak_bytes": peak,
-                      "step_growth_bytes": peak - before, "conv_input_bytes_kept": kept,
-                      "counts": tapehook.dispatch_counts()["compiled"]}))
+    print(
+        json.dumps(
+            {
+                "impl": impl,
+                "mode": mode,
+                "batch": batch,
+                "peak_bytes": peak,
+                "step_growth_bytes": peak - before,
+                "conv_input_bytes_kept": kept,
+                "counts": tapehook.dispatch_counts()["compiled"],
+            }
+        )
+    )
 
 
 def measure(impl, mode, batch):
-    out = subprocess.run([sys.executable, __file__, "--child", impl, mode, str(batch)],
-                         capture_output=True, text=True, timeout=900)
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", impl, mode, str(batch)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if out.returncode:
         raise SystemExit(out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -102,20 +117,39 @@ def main():
             small, large = (measure(impl, mode, b) for b in batches)
             per_sample = (large["peak_bytes"] - small["peak_bytes"]) / (batches[1] - batches[0])
             fixed = large["peak_bytes"] - per_sample * batches[1]
-            rows.append({**large, "peak_bytes_per_sample": per_sample,
-                         "max_batch_in_4GiB": int((BUDGET - fixed) // per_sample)
-                         if per_sample > 0 else None})
+            rows.append(
+                {
+                    **large,
+                    "peak_bytes_per_sample": per_sample,
+                    "max_batch_in_4GiB": int((BUDGET - fixed) // per_sample)
+                    if per_sample > 0
+                    else None,
+                }
+            )
             r = rows[-1]
-            print(f"{mode:8s} {impl:10s} batch {r['batch']:3d}: peak {r['peak_bytes'] / 2**20:7.0f} MiB,"
-                  f" {per_sample / 2**20:6.1f} MiB/sample, conv inputs kept "
-                  f"{r['conv_input_bytes_kept'] / 2**20:7.1f} MiB, max batch in 4 GiB "
-                  f"{r['max_batch_in_4GiB']}", flush=True)
+            print(
+                f"{mode:8s} {impl:10s} batch {r['batch']:3d}: peak {r['peak_bytes'] / 2**20:7.0f} MiB,"
+                f" {per_sample / 2**20:6.1f} MiB/sample, conv inputs kept "
+                f"{r['conv_input_bytes_kept'] / 2**20:7.1f} MiB, max batch in 4 GiB "
+                f"{r['max_batch_in_4GiB']}",
+                flush=True,
+            )
     import tensorflow as tf
+
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "memory.json").write_text(json.dumps({
-        "machine": platform.processor() or platform.machine(), "tf_version": tf.__version__,
-        "model": f"{LAYERS} x (batch-norm, binary 3x3 conv {CHANNELS}->{CHANNELS}) at "
-                 f"{SIZE}x{SIZE}", "budget_bytes": BUDGET, "rows": rows}, indent=1))
+    (RESULTS / "memory.json").write_text(
+        json.dumps(
+            {
+                "machine": platform.processor() or platform.machine(),
+                "tf_version": tf.__version__,
+                "model": f"{LAYERS} x (batch-norm, binary 3x3 conv {CHANNELS}->{CHANNELS}) at "
+                f"{SIZE}x{SIZE}",
+                "budget_bytes": BUDGET,
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -20,8 +20,7 @@ import subprocess
 import sys
 
 STATES = ("stock", "imported", "marked_elsewhere")
-OPS = ("tf.matmul 4x4", "tf.identity", "tf.cast", "Variable.read_value()",
-       "tf.nn.conv2d 1x8x8x4")
+OPS = ("tf.matmul 4x4", "tf.identity", "tf.cast", "Variable.read_value()", "tf.nn.conv2d 1x8x8x4")
 
 _CHILD = r"""
 import json, os, sys, timeit
@@ -53,8 +52,12 @@ print(json.dumps(result))
 
 
 def _run_state(state, calls, repeats):
-    out = subprocess.run([sys.executable, "-c", _CHILD, state, str(calls), str(repeats)],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, state, str(calls), str(repeats)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -63,8 +66,9 @@ def main():
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" /
-                                             "overhead.json"))
+    parser.add_argument(
+        "--out", default=str(pathlib.Path(__file__).parent / "results" / "overhead.json")
+    )
     args = parser.parse_args()
     runs = {state: [] for state in STATES}
     for round_ in range(args.rounds):
@@ -79,18 +83,18 @@ def main():
             row[state] = {"min_us": min(values), "median_us": statistics.median(values)}
         for state in STATES[1:]:
             row[state]["delta_min_us"] = row[state]["min_us"] - row["stock"]["min_us"]
-            row[state]["delta_median_us"] = (row[state]["median_us"]
-                                             - row["stock"]["median_us"])
+            row[state]["delta_median_us"] = row[state]["median_us"] - row["stock"]["median_us"]
         table[op] = row
-    result = {"calls": args.calls, "repeats": args.repeats, "rounds": args.rounds,
-              "table": table}
+    result = {"calls": args.calls, "repeats": args.repeats, "rounds": args.rounds, "table": table}
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"{'eager op':24} {'stock us':>12} {'imported':>20} {'marked elsewhere':>20}")
     for op, row in table.items():
         cells = [f"{row['stock']['min_us']:5.1f}/{row['stock']['median_us']:5.1f}"]
         for state in STATES[1:]:
-            cells.append(f"{row[state]['min_us']:5.1f} ({row[state]['delta_min_us']:+4.1f})"
-                         f"/{row[state]['delta_median_us']:+4.1f}")
+            cells.append(
+                f"{row[state]['min_us']:5.1f} ({row[state]['delta_min_us']:+4.1f})"
+                f"/{row[state]['delta_median_us']:+4.1f}"
+            )
         print(f"{op:24} {cells[0]:>12} {cells[1]:>20} {cells[2]:>20}")
     print("us per call: min/median over rounds; (delta to stock by min)/delta by median")
 

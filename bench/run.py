@@ -40,17 +40,27 @@ QUICK_SHAPES = (0, 2, 3, 5)
 # prunes the forward conv and the step looks 25-40 % faster).
 COMPARISONS = {
     "forward_binary": ("tapehook fully binary forward", "tf.nn.conv2d on +-1 floats"),
-    "forward_binary_graph": ("tapehook fully binary forward, per conv of a graph",
-                             "tf.nn.conv2d on +-1 floats, per conv of a graph"),
-    "forward_weight_only": ("tapehook weight-only forward (inference)",
-                            "larq-style: conv on sign(W) * mean|W|"),
+    "forward_binary_graph": (
+        "tapehook fully binary forward, per conv of a graph",
+        "tf.nn.conv2d on +-1 floats, per conv of a graph",
+    ),
+    "forward_weight_only": (
+        "tapehook weight-only forward (inference)",
+        "larq-style: conv on sign(W) * mean|W|",
+    ),
     "step_binary": ("tapehook fully binary step", "larq-style step (STE on x and W)"),
     "step_weight_only": ("tapehook weight-only step", "larq-style step (STE on W)"),
     "kernel_forward_binary": ("raw TapehookBinaryConv2D (binary x)", "raw Conv2D"),
     "kernel_forward_weight_only": ("raw TapehookBinaryConv2D (float x)", "raw Conv2D"),
     "kernel_backprop_input": ("raw TapehookBinaryConv2DBackpropInput", "raw Conv2DBackpropInput"),
-    "kernel_backprop_filter": ("raw TapehookBinaryConv2DBackpropFilter", "raw Conv2DBackpropFilter"),
-    "eager_step_overhead": ("eager tapehook step (interposer)", "eager tf.custom_gradient step, same raw kernels"),
+    "kernel_backprop_filter": (
+        "raw TapehookBinaryConv2DBackpropFilter",
+        "raw Conv2DBackpropFilter",
+    ),
+    "eager_step_overhead": (
+        "eager tapehook step (interposer)",
+        "eager tf.custom_gradient step, same raw kernels",
+    ),
 }
 
 
@@ -69,8 +79,19 @@ def cpu_flags():
         for line in open("/proc/cpuinfo"):
             if line.startswith("flags"):
                 flags = set(line.split(":", 1)[1].split())
-                return sorted(flags & {"avx2", "fma", "popcnt", "avx512f", "avx512bw",
-                                       "avx512_vpopcntdq", "amx_tile", "amx_bf16"})
+                return sorted(
+                    flags
+                    & {
+                        "avx2",
+                        "fma",
+                        "popcnt",
+                        "avx512f",
+                        "avx512bw",
+                        "avx512_vpopcntdq",
+                        "amx_tile",
+                        "amx_bf16",
+                    }
+                )
     except OSError:
         pass
     return []
@@ -78,6 +99,7 @@ def cpu_flags():
 
 # ---------------------------------------------------------------------------
 # Worker: one oneDNN setting, in its own process.
+
 
 def run_worker(args):
     import numpy as np
@@ -94,6 +116,7 @@ def run_worker(args):
     def ste_sign(t):
         def grad(dy):
             return dy * tf.cast(tf.abs(t) <= 1.0, dy.dtype)
+
         return tf.where(t >= 0, 1.0, -1.0), grad
 
     def mean_abs(w):
@@ -106,11 +129,14 @@ def run_worker(args):
         conv. Each turn adds its output's first value to the loop's result,
         so no conv is pruned (nor hoisted: TF's loop optimizer leaves
         loop-invariant nodes in place by default)."""
+
         @tf.function
         def fn():
             def body(i, total):
                 return i + 1, total + conv()[0, 0, 0, 0]
+
             return tf.while_loop(lambda i, _: i < repeats, body, (0, 0.0))[1]
+
         return fn
 
     def timed(fns, warmup, reps):
@@ -163,6 +189,7 @@ def run_worker(args):
                     y = tf.nn.conv2d(xi, wi, **conv)
                 dx, dw = tape.gradient(y, [x, w], output_gradients=dy)
                 return y, dx, dw
+
             return fn
 
         cases = {
@@ -176,13 +203,15 @@ def run_worker(args):
             },
             "forward_weight_only": {
                 "ours": tf.function(lambda: tf.nn.conv2d(x, w_wo, **conv)),
-                "stock": tf.function(lambda: tf.nn.conv2d(
-                    x, ste_sign(w_stock) * mean_abs(w_stock), **conv)),
+                "stock": tf.function(
+                    lambda: tf.nn.conv2d(x, ste_sign(w_stock) * mean_abs(w_stock), **conv)
+                ),
             },
-            "step_binary": {"ours": step(w_bin, False, False),
-                            "stock": step(w_stock, True, True)},
-            "step_weight_only": {"ours": step(w_wo, False, False),
-                                 "stock": step(w_stock, False, True)},
+            "step_binary": {"ours": step(w_bin, False, False), "stock": step(w_stock, True, True)},
+            "step_weight_only": {
+                "ours": step(w_wo, False, False),
+                "stock": step(w_stock, False, True),
+            },
             "kernel_forward_binary": {
                 "ours": tf.function(lambda: lib.tapehook_binary_conv2d(x, w_bin, **binary_attrs)),
                 "stock": tf.function(lambda: tf.raw_ops.Conv2D(input=x_pm1, filter=w_pm1, **conv)),
@@ -192,21 +221,30 @@ def run_worker(args):
                 "stock": tf.function(lambda: tf.raw_ops.Conv2D(input=x, filter=w_pm1, **conv)),
             },
             "kernel_backprop_input": {
-                "ours": tf.function(lambda: lib.tapehook_binary_conv2d_backprop_input(
-                    x, w_bin, dy, **binary_attrs)),
-                "stock": tf.function(lambda: tf.raw_ops.Conv2DBackpropInput(
-                    input_sizes=x_sizes, filter=w_pm1, out_backprop=dy, **conv)),
+                "ours": tf.function(
+                    lambda: lib.tapehook_binary_conv2d_backprop_input(x, w_bin, dy, **binary_attrs)
+                ),
+                "stock": tf.function(
+                    lambda: tf.raw_ops.Conv2DBackpropInput(
+                        input_sizes=x_sizes, filter=w_pm1, out_backprop=dy, **conv
+                    )
+                ),
             },
             "kernel_backprop_filter": {
-                "ours": tf.function(lambda: lib.tapehook_binary_conv2d_backprop_filter(
-                    x, w_bin, dy, **binary_attrs)),
-                "stock": tf.function(lambda: tf.raw_ops.Conv2DBackpropFilter(
-                    input=x_pm1, filter_sizes=w_sizes, out_backprop=dy, **conv)),
+                "ours": tf.function(
+                    lambda: lib.tapehook_binary_conv2d_backprop_filter(x, w_bin, dy, **binary_attrs)
+                ),
+                "stock": tf.function(
+                    lambda: tf.raw_ops.Conv2DBackpropFilter(
+                        input=x_pm1, filter_sizes=w_sizes, out_backprop=dy, **conv
+                    )
+                ),
             },
         }
         if n == 1:  # the interposer's cost shows on small eager steps
             cases["eager_step_overhead"] = eager_overhead_case(
-                tf, tapehook, lib, x, w_bin, dy, binary_attrs, conv)
+                tf, tapehook, lib, x, w_bin, dy, binary_attrs, conv
+            )
         for comparison, fns in cases.items():
             times = timed(fns, args.warmup, args.reps)
             if comparison == "forward_binary_graph":
@@ -214,13 +252,19 @@ def run_worker(args):
             row = {"shape": name, "comparison": comparison, "gflop": flops / 1e9}
             for who in ("ours", "stock"):
                 ts = times[who]
-                row[who] = {"min_ms": 1e3 * min(ts), "median_ms": 1e3 * statistics.median(ts),
-                            "gflops_at_min": flops / min(ts) / 1e9}
+                row[who] = {
+                    "min_ms": 1e3 * min(ts),
+                    "median_ms": 1e3 * statistics.median(ts),
+                    "gflops_at_min": flops / min(ts) / 1e9,
+                }
             row["speedup_min"] = row["stock"]["min_ms"] / row["ours"]["min_ms"]
             row["speedup_median"] = row["stock"]["median_ms"] / row["ours"]["median_ms"]
             rows.append(row)
-            print(f"  [{args.onednn}] {name:24s} {comparison:28s} "
-                  f"{row['speedup_min']:5.2f}x", file=sys.stderr, flush=True)
+            print(
+                f"  [{args.onednn}] {name:24s} {comparison:28s} {row['speedup_min']:5.2f}x",
+                file=sys.stderr,
+                flush=True,
+            )
     return {
         "onednn": args.onednn,
         "tf_version": tf.__version__,
@@ -242,8 +286,11 @@ def eager_overhead_case(tf, tapehook, lib, x, w_bin, dy, attrs, conv):
         y = lib.tapehook_binary_conv2d(xi, wi, **attrs)
 
         def grad(g):
-            return (lib.tapehook_binary_conv2d_backprop_input(xi, wi, g, **attrs),
-                    lib.tapehook_binary_conv2d_backprop_filter(xi, wi, g, **attrs))
+            return (
+                lib.tapehook_binary_conv2d_backprop_input(xi, wi, g, **attrs),
+                lib.tapehook_binary_conv2d_backprop_filter(xi, wi, g, **attrs),
+            )
+
         return y, grad
 
     def ours():
@@ -273,16 +320,21 @@ def eager_overhead_case(tf, tapehook, lib, x, w_bin, dy, attrs, conv):
 # ---------------------------------------------------------------------------
 # Driver.
 
+
 def print_table(result):
     print(f"\n== oneDNN {result['onednn']} (TF {result['tf_version']}) ==")
-    print(f"{'shape':24s} {'comparison':28s} {'ours min/med ms':>17s} "
-          f"{'stock min/med ms':>17s} {'ours GF/s':>9s} {'stock GF/s':>10s} {'x (min)':>7s} {'x (med)':>7s}")
+    print(
+        f"{'shape':24s} {'comparison':28s} {'ours min/med ms':>17s} "
+        f"{'stock min/med ms':>17s} {'ours GF/s':>9s} {'stock GF/s':>10s} {'x (min)':>7s} {'x (med)':>7s}"
+    )
     for r in result["rows"]:
         o, s = r["ours"], r["stock"]
-        print(f"{r['shape']:24s} {r['comparison']:28s} "
-              f"{o['min_ms']:8.2f}/{o['median_ms']:8.2f} {s['min_ms']:8.2f}/{s['median_ms']:8.2f} "
-              f"{o['gflops_at_min']:9.0f} {s['gflops_at_min']:10.0f} "
-              f"{r['speedup_min']:7.2f} {r['speedup_median']:7.2f}")
+        print(
+            f"{r['shape']:24s} {r['comparison']:28s} "
+            f"{o['min_ms']:8.2f}/{o['median_ms']:8.2f} {s['min_ms']:8.2f}/{s['median_ms']:8.2f} "
+            f"{o['gflops_at_min']:9.0f} {s['gflops_at_min']:10.0f} "
+            f"{r['speedup_min']:7.2f} {r['speedup_median']:7.2f}"
+        )
 
 
 def recommendations(results):
@@ -303,6 +355,7 @@ def recommendations(results):
 def plot(results, path):
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -314,8 +367,17 @@ def plot(results, path):
         shapes = list(dict.fromkeys(r["shape"] for r in res["rows"]))
         width = 0.8 / len(shapes)
         for i, shape in enumerate(shapes):
-            vals = [next((r["speedup_median"] for r in res["rows"]
-                          if r["shape"] == shape and r["comparison"] == c), 0.0) for c in comps]
+            vals = [
+                next(
+                    (
+                        r["speedup_median"]
+                        for r in res["rows"]
+                        if r["shape"] == shape and r["comparison"] == c
+                    ),
+                    0.0,
+                )
+                for c in comps
+            ]
             ax.bar([j + i * width for j in range(len(comps))], vals, width, label=shape)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(comps))])
@@ -329,8 +391,9 @@ def plot(results, path):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="4 shapes, 3 reps")
     parser.add_argument("--reps", type=int, default=None, help="timed reps (default 7, quick 3)")
     parser.add_argument("--warmup", type=int, default=2)
@@ -351,11 +414,24 @@ def main():
     results = []
     started = time.time()
     for setting in settings:
-        env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1" if setting == "on" else "0",
-                   TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
+        env = dict(
+            os.environ,
+            TF_ENABLE_ONEDNN_OPTS="1" if setting == "on" else "0",
+            TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"),
+        )
         with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
-            cmd = [sys.executable, __file__, "--worker", tmp.name, "--onednn", setting,
-                   "--reps", str(args.reps), "--warmup", str(args.warmup)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                tmp.name,
+                "--onednn",
+                setting,
+                "--reps",
+                str(args.reps),
+                "--warmup",
+                str(args.warmup),
+            ]
             cmd += ["--quick"] if args.quick else []
             cmd += ["--only", args.only] if args.only else []
             subprocess.run(cmd, env=env, check=True)

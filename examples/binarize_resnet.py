@@ -25,9 +25,11 @@ def main(argv=None):
     model = keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10)
     tapehook.binarize(model, first_and_last_float=True, scale="mean_abs")
     totals = tapehook.summary(model, print_fn=None).totals
-    print(f"{totals['binary_layers']} binary conv layers; "
-          f"{totals['float32_bytes'] / 2**20:.1f} MiB at 32 bits, "
-          f"{totals['binarized_bytes'] / 2**20:.1f} MiB with 1-bit kernels")
+    print(
+        f"{totals['binary_layers']} binary conv layers; "
+        f"{totals['float32_bytes'] / 2**20:.1f} MiB at 32 bits, "
+        f"{totals['binarized_bytes'] / 2**20:.1f} MiB with 1-bit kernels"
+    )
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
     rng = np.random.default_rng(0)
     x = rng.normal(size=(args.batch * args.steps, 64, 64, 3)).astype("float32")

@@ -35,8 +35,9 @@ def main(argv=None):
         with tf.GradientTape() as tape:
             h = tf.nn.conv2d(tf.gather(x_all, batch), w, strides=1, padding="SAME")
             logits = tf.reshape(tf.nn.relu(h), [64, -1]) @ head
-            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-                tf.gather(y_all, batch), logits))
+            loss = tf.reduce_mean(
+                tf.nn.sparse_softmax_cross_entropy_with_logits(tf.gather(y_all, batch), logits)
+            )
         optimizer.apply_gradients(zip(tape.gradient(loss, [w, head]), [w, head]))
         if step % 50 == 0 or step == args.steps - 1:
             print(f"step {step:4d} loss {float(loss):.3f}")

@@ -46,9 +46,14 @@ def build_model(size, widths=(32, 64), blocks=2):
             x = keras.layers.Conv2D(width, 1, use_bias=False, name=f"transition{stage}")(x)
             x = keras.layers.BatchNormalization(momentum=0.9)(x)
         for block in range(blocks):
-            y = keras.layers.Conv2D(width, 3, padding="same", use_bias=False,
-                                    kernel_constraint=WeightClip(1.0),
-                                    name=f"binary{stage}_{block}")(x)
+            y = keras.layers.Conv2D(
+                width,
+                3,
+                padding="same",
+                use_bias=False,
+                kernel_constraint=WeightClip(1.0),
+                name=f"binary{stage}_{block}",
+            )(x)
             y = keras.layers.ReLU()(y)
             y = keras.layers.BatchNormalization(momentum=0.9)(y)
             x = keras.layers.Add()([x, y])
@@ -62,13 +67,17 @@ def binarize(model, weights):
     for layer in model.layers:
         if layer.name.startswith("binary") and tapehook.binary_spec_of(layer.kernel):
             tapehook.unmark(layer.kernel)
-    return tapehook.binarize(model, include="binary*", activations=True, pad_value=1.0,
-                             weights=weights)
+    return tapehook.binarize(
+        model, include="binary*", activations=True, pad_value=1.0, weights=weights
+    )
 
 
 def binary_signs(model):
-    return [np.sign(v.numpy()) for v in model.trainable_variables
-            if tapehook.optimizers.is_binary_variable(v)]
+    return [
+        np.sign(v.numpy())
+        for v in model.trainable_variables
+        if tapehook.optimizers.is_binary_variable(v)
+    ]
 
 
 def adam(steps):
@@ -79,17 +88,26 @@ def train(model, optimizer, data, epochs, verbose):
     """Compiles (a new trace, so new marks take effect) and fits; returns the
     test accuracy and the binary weights flipped in the last epoch."""
     x_train, x_test, y_train, y_test = data
-    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    model.compile(
+        optimizer,
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     signs = {}
 
     class LastEpochSigns(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
             signs["before"] = binary_signs(model)
 
-    model.fit(x_train, y_train, batch_size=BATCH, epochs=epochs,
-              validation_data=(x_test, y_test), callbacks=[LastEpochSigns()],
-              verbose=verbose)
+    model.fit(
+        x_train,
+        y_train,
+        batch_size=BATCH,
+        epochs=epochs,
+        validation_data=(x_test, y_test),
+        callbacks=[LastEpochSigns()],
+        verbose=verbose,
+    )
     _, accuracy = model.evaluate(x_test, y_test, verbose=0)
     flipped = sum(int(np.sum(a != b)) for a, b in zip(binary_signs(model), signs["before"]))
     return accuracy, flipped
@@ -100,8 +118,9 @@ def bop_and_adam(args, steps):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--epochs", type=int, default=12, help="per recipe")
     parser.add_argument("--recipes", default="quicknet,two_stage")
     parser.add_argument("--size", type=int, default=16, help="image side after resizing")
@@ -124,10 +143,11 @@ def main(argv=None):
         elif recipe == "two_stage":
             first = max(1, args.epochs // 2)
             binarize(model, weights=False)  # BAN: binary inputs, float kernels
-            accuracy, _ = train(model, adam(first * steps_per_epoch), data, first,
-                                args.verbose)
-            print(f"two_stage, stage 1 (binary activations, float weights): test "
-                  f"accuracy {accuracy:.4f}")
+            accuracy, _ = train(model, adam(first * steps_per_epoch), data, first, args.verbose)
+            print(
+                f"two_stage, stage 1 (binary activations, float weights): test "
+                f"accuracy {accuracy:.4f}"
+            )
             binarize(model, weights=True)  # stage 2 starts from stage 1's weights
             second = args.epochs - first
             optimizer = bop_and_adam(args, max(1, second) * steps_per_epoch)
@@ -135,10 +155,12 @@ def main(argv=None):
         else:
             raise SystemExit(f"unknown recipe {recipe!r}: use quicknet or two_stage")
         trained = optimizer.binary._trainable_variables
-        print(f"{recipe}: {len(trained)} binary kernels ({sum(int(np.size(v)) for v in trained)} "
-              f"weights, values {np.unique(np.concatenate([np.ravel(v) for v in trained])).tolist()}) "
-              f"trained by Bop, {len(optimizer.default._trainable_variables)} float variables "
-              f"by Adam; Bop flipped {flipped} binary weights in the last epoch")
+        print(
+            f"{recipe}: {len(trained)} binary kernels ({sum(int(np.size(v)) for v in trained)} "
+            f"weights, values {np.unique(np.concatenate([np.ravel(v) for v in trained])).tolist()}) "
+            f"trained by Bop, {len(optimizer.default._trainable_variables)} float variables "
+            f"by Adam; Bop flipped {flipped} binary weights in the last epoch"
+        )
         print(f"{recipe}: test accuracy {accuracy:.4f}")
         results[recipe] = accuracy, flipped
     return results

@@ -29,7 +29,8 @@ def main(argv=None):
         x = tf.compat.v1.placeholder(tf.float32, [None, 8, 8, 1])
         labels = tf.compat.v1.placeholder(tf.int64, [None])
         w = tapehook.mark_binary(
-            tf.Variable(tf.random.normal([3, 3, 1, 32], stddev=0.5)), activations=True)
+            tf.Variable(tf.random.normal([3, 3, 1, 32], stddev=0.5)), activations=True
+        )
         head = tf.Variable(tf.random.normal([8 * 8 * 32, 10], stddev=0.01))
         h = tf.nn.relu(tf.nn.conv2d(x, w, strides=1, padding="SAME"))
         logits = tf.reshape(h, [-1, 8 * 8 * 32]) @ head
@@ -42,8 +43,7 @@ def main(argv=None):
             rng = np.random.default_rng(0)
             for step in range(args.steps):
                 batch = rng.choice(len(images), 64, replace=False)
-                value, _ = sess.run([loss, train], {x: images[batch],
-                                                    labels: digits.target[batch]})
+                value, _ = sess.run([loss, train], {x: images[batch], labels: digits.target[batch]})
                 if step % 50 == 0 or step == args.steps - 1:
                     print(f"step {step:4d} loss {value:.3f}")
             result = sess.run(accuracy, {x: images, labels: digits.target})

@@ -36,9 +36,15 @@ RECIPES = ("weightclip", "bop")
 # Powers of two: Keras 2 optimizers keep hyperparameters in float32 whatever the
 # variables' dtype, so in float64 any other value would differ between the two
 # sides by float32 rounding (1 - 0.999 in float32 is 1.2e-5 off).
-HYPER = {"adam_lr": 2.0**-4, "beta_1": 1 - 2.0**-3, "beta_2": 1 - 2.0**-10,
-         "epsilon": 2.0**-23, "bop_threshold": 2.0**-17, "bop_gamma": 2.0**-4,
-         "bn_momentum": 1 - 2.0**-7}
+HYPER = {
+    "adam_lr": 2.0**-4,
+    "beta_1": 1 - 2.0**-3,
+    "beta_2": 1 - 2.0**-10,
+    "epsilon": 2.0**-23,
+    "bop_threshold": 2.0**-17,
+    "bop_gamma": 2.0**-4,
+    "bn_momentum": 1 - 2.0**-7,
+}
 
 
 def make_inputs(path, steps, seed=0):
@@ -54,15 +60,25 @@ def make_inputs(path, steps, seed=0):
         return (rng.normal(size=shape) * np.sqrt(2.0 / (fan_in + shape[-1]))).astype("float32")
 
     def bn(c):  # gamma, beta, moving mean, moving variance
-        return [np.ones(c, "float32"), np.zeros(c, "float32"),
-                np.zeros(c, "float32"), np.ones(c, "float32")]
+        return [
+            np.ones(c, "float32"),
+            np.zeros(c, "float32"),
+            np.zeros(c, "float32"),
+            np.ones(c, "float32"),
+        ]
 
     f, c = g["filters"], g["channels"]
-    weights = [glorot(3, 3, c, f), *bn(f),
-               # binary kernels: latent weights around the clip, some outside it
-               (rng.normal(size=(3, 3, f, f)) * 0.7).astype("float32"), *bn(f),
-               (rng.normal(size=(3, 3, f, f)) * 0.7).astype("float32"), *bn(f),
-               glorot(f, g["classes"]), np.zeros(g["classes"], "float32")]
+    weights = [
+        glorot(3, 3, c, f),
+        *bn(f),
+        # binary kernels: latent weights around the clip, some outside it
+        (rng.normal(size=(3, 3, f, f)) * 0.7).astype("float32"),
+        *bn(f),
+        (rng.normal(size=(3, 3, f, f)) * 0.7).astype("float32"),
+        *bn(f),
+        glorot(f, g["classes"]),
+        np.zeros(g["classes"], "float32"),
+    ]
     np.savez(path, *weights, x=x, y=y)
 
 
@@ -89,20 +105,30 @@ def run_larq(inputs, recipe, dtype, out):
     # variance itself.
     h = layers.BatchNormalization(momentum=HYPER["bn_momentum"], fused=False)(h)
     for _ in range(2):
-        h = lq.layers.QuantConv2D(g["filters"], 3, padding="same", use_bias=False,
-                                  input_quantizer="ste_sign", kernel_quantizer="ste_sign",
-                                  kernel_constraint=lq.constraints.WeightClip(1.0))(h)
+        h = lq.layers.QuantConv2D(
+            g["filters"],
+            3,
+            padding="same",
+            use_bias=False,
+            input_quantizer="ste_sign",
+            kernel_quantizer="ste_sign",
+            kernel_constraint=lq.constraints.WeightClip(1.0),
+        )(h)
         h = layers.BatchNormalization(momentum=HYPER["bn_momentum"], fused=False)(h)
     outputs = layers.Dense(g["classes"])(layers.GlobalAveragePooling2D()(h))
     model = tf.keras.Model(inputs_, outputs)
     model.set_weights(weights)
-    adam = tf.keras.optimizers.legacy.Adam(HYPER["adam_lr"], HYPER["beta_1"], HYPER["beta_2"],
-                                           HYPER["epsilon"])
+    adam = tf.keras.optimizers.legacy.Adam(
+        HYPER["adam_lr"], HYPER["beta_1"], HYPER["beta_2"], HYPER["epsilon"]
+    )
     if recipe == "bop":
         optimizer = lq.optimizers.CaseOptimizer(
-            (lq.optimizers.Bop.is_binary_variable,
-             lq.optimizers.Bop(threshold=HYPER["bop_threshold"], gamma=HYPER["bop_gamma"])),
-            default_optimizer=adam)
+            (
+                lq.optimizers.Bop.is_binary_variable,
+                lq.optimizers.Bop(threshold=HYPER["bop_threshold"], gamma=HYPER["bop_gamma"]),
+            ),
+            default_optimizer=adam,
+        )
     else:
         optimizer = adam
     model.compile(optimizer, tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -127,18 +153,27 @@ def run_tapehook(inputs, recipe, dtype, out):
     h = layers.Conv2D(g["filters"], 3, padding="same", use_bias=False)(inputs_)
     h = layers.BatchNormalization(momentum=HYPER["bn_momentum"])(h)
     for i in range(2):
-        h = layers.Conv2D(g["filters"], 3, padding="same", use_bias=False,
-                          kernel_constraint=WeightClip(1.0), name=f"binary{i}")(h)
+        h = layers.Conv2D(
+            g["filters"],
+            3,
+            padding="same",
+            use_bias=False,
+            kernel_constraint=WeightClip(1.0),
+            name=f"binary{i}",
+        )(h)
         h = layers.BatchNormalization(momentum=HYPER["bn_momentum"])(h)
     outputs = layers.Dense(g["classes"])(layers.GlobalAveragePooling2D()(h))
-    model = tapehook.binarize(keras.Model(inputs_, outputs), include="binary*",
-                              activations=True, ste="ste_sign", clip=1.0)
+    model = tapehook.binarize(
+        keras.Model(inputs_, outputs), include="binary*", activations=True, ste="ste_sign", clip=1.0
+    )
     model.set_weights(weights)
-    adam = keras.optimizers.Adam(HYPER["adam_lr"], HYPER["beta_1"], HYPER["beta_2"],
-                                 HYPER["epsilon"])
+    adam = keras.optimizers.Adam(
+        HYPER["adam_lr"], HYPER["beta_1"], HYPER["beta_2"], HYPER["epsilon"]
+    )
     if recipe == "bop":
         optimizer = CaseOptimizer(
-            Bop(threshold=HYPER["bop_threshold"], gamma=HYPER["bop_gamma"]), adam)
+            Bop(threshold=HYPER["bop_threshold"], gamma=HYPER["bop_gamma"]), adam
+        )
     else:
         optimizer = adam
     model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -158,13 +193,14 @@ def compare(ours, larq, initial):
     flips = sum(int(np.sum(np.sign(larq[i]) != np.sign(initial[i]))) for i in BINARY)
     kernels = np.concatenate([ours[i].ravel() for i in BINARY])
     values = np.unique(kernels)
-    lines = [f"max |tapehook - larq|: trained weights {max(trained):.3g}, BatchNorm moving "
-             f"statistics {max(diffs[i] for i in MOVING):.3g}",
-             f"per weight: {', '.join(f'{d:.2g}' for d in diffs)}",
-             f"binary kernel signs changed from the initial weights: {flips}; "
-             f"{len(values)} distinct binary kernel values, {int(np.sum(np.abs(kernels) == 1))} "
-             f"of {kernels.size} at the clip +-1"
-             + (f" {values.tolist()}" if len(values) <= 2 else "")]
+    lines = [
+        f"max |tapehook - larq|: trained weights {max(trained):.3g}, BatchNorm moving "
+        f"statistics {max(diffs[i] for i in MOVING):.3g}",
+        f"per weight: {', '.join(f'{d:.2g}' for d in diffs)}",
+        f"binary kernel signs changed from the initial weights: {flips}; "
+        f"{len(values)} distinct binary kernel values, {int(np.sum(np.abs(kernels) == 1))} "
+        f"of {kernels.size} at the clip +-1" + (f" {values.tolist()}" if len(values) <= 2 else ""),
+    ]
     return lines, relative
 
 
@@ -173,8 +209,12 @@ def run_side(side, python, inputs, recipe, dtype, tmp):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     if side == "larq":
         env["TF_USE_LEGACY_KERAS"] = "1"
-    run = subprocess.run([python, os.path.abspath(__file__), "--side", side, inputs, recipe,
-                          dtype, out], env=env, capture_output=True, text=True)
+    run = subprocess.run(
+        [python, os.path.abspath(__file__), "--side", side, inputs, recipe, dtype, out],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if run.returncode:
         sys.exit(f"{side} side failed ({recipe}, {dtype}):\n{run.stderr[-4000:]}")
     weights = np.load(out)
@@ -182,15 +222,21 @@ def run_side(side, python, inputs, recipe, dtype, tmp):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0, help="data and initial weights")
     parser.add_argument("--dtypes", default="float32,float64")
-    parser.add_argument("--rtol", type=float, default=1e-6,
-                        help="largest difference allowed, relative to 1 + max|weight|")
-    parser.add_argument("--larq-python",
-                        default=os.environ.get("LARQ_PYTHON", "/tmp/larqenv/bin/python"))
+    parser.add_argument(
+        "--rtol",
+        type=float,
+        default=1e-6,
+        help="largest difference allowed, relative to 1 + max|weight|",
+    )
+    parser.add_argument(
+        "--larq-python", default=os.environ.get("LARQ_PYTHON", "/tmp/larqenv/bin/python")
+    )
     # A subprocess's role: each run is a fresh process (floatx is global).
     parser.add_argument("--side", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -206,9 +252,10 @@ def main(argv=None):
         initial = load_inputs(inputs)[2]
         for dtype in args.dtypes.split(","):
             for recipe in RECIPES:
-                larq, ours = (run_side(side, python, inputs, recipe, dtype, tmp)
-                              for side, python in (("larq", args.larq_python),
-                                                   ("tapehook", sys.executable)))
+                larq, ours = (
+                    run_side(side, python, inputs, recipe, dtype, tmp)
+                    for side, python in (("larq", args.larq_python), ("tapehook", sys.executable))
+                )
                 lines, relative = compare(ours, larq, initial)
                 print(f"{recipe}, {dtype}, {args.steps} steps, seed {args.seed}:")
                 for line in lines:

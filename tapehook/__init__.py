@@ -9,8 +9,8 @@ kernels. See docs/design.md.
 from tapehook import optimizers
 from tapehook.callbacks import FlipRatio
 from tapehook.constraints import WeightClip
-from tapehook.deploy import export_savedmodel, export_tflite
 from tapehook.counts import dispatch_counts, reset_dispatch_counts
+from tapehook.deploy import export_savedmodel, export_tflite
 from tapehook.errors import TapehookError
 from tapehook.export import export_bitpacked, load_bitpacked
 from tapehook.kernels import kernel_info

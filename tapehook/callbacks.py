@@ -7,6 +7,7 @@ from tapehook.export import binary_kernels, sign_bits
 
 try:
     import keras
+
     _Callback = keras.callbacks.Callback
 except ImportError:  # tapehook works without Keras; FlipRatio needs it
     _Callback = object
@@ -41,7 +42,8 @@ class FlipRatio(_Callback):
         if not self._kernels:
             raise TapehookError(
                 f"FlipRatio: model {self.model.name!r} has no binary Conv1D / Conv2D "
-                f"kernels; binarize or mark it before fit")
+                f"kernels; binarize or mark it before fit"
+            )
         self._signs = self._snapshot()
         self._epoch = []
 
@@ -54,8 +56,12 @@ class FlipRatio(_Callback):
         self._signs = signs
         ratios = {"flip_ratio": sum(flips) / sum(s.size for s in signs)}
         if self.per_layer:
-            ratios.update({f"flip_ratio/{name}": n / s.size
-                           for (name, _), n, s in zip(self._kernels, flips, signs)})
+            ratios.update(
+                {
+                    f"flip_ratio/{name}": n / s.size
+                    for (name, _), n, s in zip(self._kernels, flips, signs)
+                }
+            )
         self.history.append(ratios)
         if logs is not None:
             logs.update(ratios)
@@ -72,5 +78,6 @@ class FlipRatio(_Callback):
         if self.every == "epoch":
             self._measure(logs)
         elif self._epoch and logs is not None:
-            logs.update({key: float(np.mean([r[key] for r in self._epoch]))
-                         for key in self._epoch[0]})
+            logs.update(
+                {key: float(np.mean([r[key] for r in self._epoch])) for key in self._epoch[0]}
+            )

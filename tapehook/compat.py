@@ -12,11 +12,19 @@ import inspect
 
 import tensorflow as tf
 from tensorflow.python.eager import backprop, execute, record  # noqa: F401
-from tensorflow.python.framework import ops  # noqa: F401
-from tensorflow.python.framework import op_callbacks  # noqa: F401
-from tensorflow.python.ops import (control_flow_util, gen_array_ops,  # noqa: F401
-                                   gen_math_ops, gen_nn_ops, nn_impl, nn_ops,
-                                   resource_variable_ops)
+from tensorflow.python.framework import (
+    op_callbacks,  # noqa: F401
+    ops,  # noqa: F401
+)
+from tensorflow.python.ops import (  # noqa: F401
+    control_flow_util,
+    gen_array_ops,
+    gen_math_ops,
+    gen_nn_ops,
+    nn_impl,
+    nn_ops,
+    resource_variable_ops,
+)
 
 from tapehook.errors import TapehookError
 
@@ -43,6 +51,7 @@ def onednn_enabled() -> bool:
     does not say."""
     try:
         from tensorflow.python.util import _pywrap_util_port
+
         return bool(_pywrap_util_port.IsMklEnabled())
     except (ImportError, AttributeError):
         return False
@@ -70,7 +79,8 @@ def _fail(piece):
     raise TapehookError(
         f"TensorFlow {tf.__version__} lacks {piece}, which tapehook relies on; nothing "
         f"was patched. tapehook is tested with {TESTED_RANGE}; install one of those "
-        f"(see docs/compat.md) or report this version")
+        f"(see docs/compat.md) or report this version"
+    )
 
 
 def gradient_registry_entries() -> dict:
@@ -94,40 +104,88 @@ def check() -> None:
     gradient_registry_entry("Conv2D")
     if "skip_input_indices" not in _params(getattr(backprop, "_MockOp", object).__init__):
         _fail("backprop._MockOp(..., skip_input_indices) (the eager tape's op view)")
-    for owner, name in [(execute, "record_gradient"), (execute, "must_record_gradient"),
-                        (record, "stop_recording"),
-                        (control_flow_util, "GraphOrParentsInXlaContext"),
-                        (gen_array_ops, "identity"), (gen_array_ops, "expand_dims"),
-                        (gen_math_ops, "cast"),
-                        (resource_variable_ops.BaseResourceVariable, "_read_variable_op")]:
+    for owner, name in [
+        (execute, "record_gradient"),
+        (execute, "must_record_gradient"),
+        (record, "stop_recording"),
+        (control_flow_util, "GraphOrParentsInXlaContext"),
+        (gen_array_ops, "identity"),
+        (gen_array_ops, "expand_dims"),
+        (gen_math_ops, "cast"),
+        (resource_variable_ops.BaseResourceVariable, "_read_variable_op"),
+    ]:
         if not callable(getattr(owner, name, None)):
             _fail(f"{getattr(owner, '__name__', owner)}.{name}")
     _check_override_internals()
-    conv2d_params = ["input", "filter", "strides", "padding", "use_cudnn_on_gpu",
-                     "explicit_paddings", "data_format", "dilations", "name"]
+    conv2d_params = [
+        "input",
+        "filter",
+        "strides",
+        "padding",
+        "use_cudnn_on_gpu",
+        "explicit_paddings",
+        "data_format",
+        "dilations",
+        "name",
+    ]
     if _params(gen_nn_ops.conv2d) != conv2d_params:
         _fail(f"gen_nn_ops.conv2d({', '.join(conv2d_params)})")
-    for fn, head in [(gen_math_ops.mat_mul, ["a", "b", "transpose_a", "transpose_b"]),
-                     (gen_math_ops.batch_mat_mul_v2, ["x", "y", "adj_x", "adj_y"]),
-                     (gen_math_ops.batch_mat_mul_v3, ["x", "y", "Tout", "adj_x", "adj_y"]),
-                     (gen_nn_ops.depthwise_conv2d_native,
-                      ["input", "filter", "strides", "padding", "explicit_paddings",
-                       "data_format", "dilations"])]:
-        if _params(fn)[:len(head)] != head:
+    for fn, head in [
+        (gen_math_ops.mat_mul, ["a", "b", "transpose_a", "transpose_b"]),
+        (gen_math_ops.batch_mat_mul_v2, ["x", "y", "adj_x", "adj_y"]),
+        (gen_math_ops.batch_mat_mul_v3, ["x", "y", "Tout", "adj_x", "adj_y"]),
+        (
+            gen_nn_ops.depthwise_conv2d_native,
+            [
+                "input",
+                "filter",
+                "strides",
+                "padding",
+                "explicit_paddings",
+                "data_format",
+                "dilations",
+            ],
+        ),
+    ]:
+        if _params(fn)[: len(head)] != head:
             _fail(f"{fn.__module__}.{fn.__name__}({', '.join(head)}, ...)")
     if _params(nn_ops.convolution_internal)[:7] != [
-            "input", "filters", "strides", "padding", "data_format", "dilations", "name"]:
-        _fail("nn_ops.convolution_internal(input, filters, strides, padding, "
-              "data_format, dilations, name, ...)")
-    for fn, head in [(nn_impl.depthwise_conv2d, ["input", "filter", "strides", "padding",
-                                                 "rate", "name", "data_format",
-                                                 "dilations"]),
-                     (nn_impl.separable_conv2d, ["input", "depthwise_filter",
-                                                 "pointwise_filter", "strides", "padding",
-                                                 "rate", "name", "data_format",
-                                                 "dilations"]),
-                     (nn_ops.conv1d_v2, ["input", "filters", "stride", "padding",
-                                         "data_format", "dilations", "name"])]:
+        "input",
+        "filters",
+        "strides",
+        "padding",
+        "data_format",
+        "dilations",
+        "name",
+    ]:
+        _fail(
+            "nn_ops.convolution_internal(input, filters, strides, padding, "
+            "data_format, dilations, name, ...)"
+        )
+    for fn, head in [
+        (
+            nn_impl.depthwise_conv2d,
+            ["input", "filter", "strides", "padding", "rate", "name", "data_format", "dilations"],
+        ),
+        (
+            nn_impl.separable_conv2d,
+            [
+                "input",
+                "depthwise_filter",
+                "pointwise_filter",
+                "strides",
+                "padding",
+                "rate",
+                "name",
+                "data_format",
+                "dilations",
+            ],
+        ),
+        (
+            nn_ops.conv1d_v2,
+            ["input", "filters", "stride", "padding", "data_format", "dilations", "name"],
+        ),
+    ]:
         if _params(fn) != head:
             _fail(f"{fn.__module__}.{fn.__name__}({', '.join(head)})")
     try:
@@ -135,19 +193,28 @@ def check() -> None:
     except ImportError:
         return
     if not callable(getattr(keras.Layer, "__call__", None)) or not any(
-            "get_config" in vars(c) for c in keras.layers.Conv2D.__mro__[:-1]):
+        "get_config" in vars(c) for c in keras.layers.Conv2D.__mro__[:-1]
+    ):
         _fail(f"Keras {keras.__version__}: Layer.__call__ / Conv2D.get_config")
 
 
 def _check_override_internals() -> None:
     """What tapehook.override_gradient (override.py) relies on."""
-    for owner, name in [(op_callbacks, "add_op_callback"),
-                        (op_callbacks, "remove_op_callback"),
-                        (record, "record_operation"), (record, "could_possibly_record")]:
+    for owner, name in [
+        (op_callbacks, "add_op_callback"),
+        (op_callbacks, "remove_op_callback"),
+        (record, "record_operation"),
+        (record, "could_possibly_record"),
+    ]:
         if not callable(getattr(owner, name, None)):
             _fail(f"{owner.__name__}.{name}")
     if _params(backprop._MockOp.__init__)[1:] != [
-            "attrs", "inputs", "outputs", "typ", "skip_input_indices"]:
+        "attrs",
+        "inputs",
+        "outputs",
+        "typ",
+        "skip_input_indices",
+    ]:
         _fail("backprop._MockOp(attrs, inputs, outputs, typ, skip_input_indices)")
     # Graph gradients prefer an op's own _gradient_function to the registry.
     if "_gradient_function" not in ops.get_gradient_function.__code__.co_names:

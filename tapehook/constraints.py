@@ -19,11 +19,15 @@ class WeightClip(keras.constraints.Constraint):
     """
 
     def __init__(self, clip_value=1.0):
-        if isinstance(clip_value, bool) or not isinstance(clip_value, (int, float)) or (
-                not math.isfinite(clip_value) or clip_value <= 0):
+        if (
+            isinstance(clip_value, bool)
+            or not isinstance(clip_value, (int, float))
+            or (not math.isfinite(clip_value) or clip_value <= 0)
+        ):
             raise TapehookError(
                 f"WeightClip(clip_value={clip_value!r}): clip_value must be a positive "
-                f"finite number, e.g. 1.0 (the clip of the ste_sign estimator)")
+                f"finite number, e.g. 1.0 (the clip of the ste_sign estimator)"
+            )
         self.clip_value = float(clip_value)
 
     def __call__(self, w):

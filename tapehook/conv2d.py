@@ -27,10 +27,12 @@ def _check(x, w, attrs):
         raise TapehookError(
             f"a marked Conv2D filter was used with data_format "
             f"{attrs['data_format']}; binary kernels support NHWC only (Keras: "
-            f"data_format='channels_last')")
+            f"data_format='channels_last')"
+        )
     if w.shape.rank is not None and w.shape.rank != 4:
         raise TapehookError(
-            f"a marked Conv2D filter must be 4-D [h, w, in, out], got shape {w.shape}")
+            f"a marked Conv2D filter must be 4-D [h, w, in, out], got shape {w.shape}"
+        )
 
 
 _xla_warning_shown = False
@@ -44,7 +46,10 @@ def _warn_xla_once():
             "tapehook: a binary conv is being XLA-compiled (jit_compile=True); "
             "tapehook's kernels have no XLA implementation, so it runs the same "
             "math as plain TF ops (the reference path). Use jit_compile=False for "
-            "the binary kernels.", RuntimeWarning, stacklevel=5)
+            "the binary kernels.",
+            RuntimeWarning,
+            stacklevel=5,
+        )
 
 
 def _record(x, w, y, attrs, packed):
@@ -53,12 +58,27 @@ def _record(x, w, y, attrs, packed):
     if packed is None or override.override_for("Conv2D") is not None:
         # (under override_gradient("Conv2D") the conv is recorded as a Conv2D,
         # so the override applies to it)
-        execute.record_gradient("Conv2D", [x, w], (
-            "T", x.dtype.as_datatype_enum, "strides", attrs["strides"],
-            "use_cudnn_on_gpu", True, "padding", attrs["padding"],
-            "explicit_paddings", attrs["explicit_paddings"],
-            "data_format", attrs["data_format"],
-            "dilations", attrs["dilations"]), [y])
+        execute.record_gradient(
+            "Conv2D",
+            [x, w],
+            (
+                "T",
+                x.dtype.as_datatype_enum,
+                "strides",
+                attrs["strides"],
+                "use_cudnn_on_gpu",
+                True,
+                "padding",
+                attrs["padding"],
+                "explicit_paddings",
+                attrs["explicit_paddings"],
+                "data_format",
+                attrs["data_format"],
+                "dilations",
+                attrs["dilations"],
+            ),
+            [y],
+        )
         return
     # record_gradient would keep x alive for the tape, and so would recording
     # under the name "Conv2D" (the tape keeps the inputs that op type's
@@ -68,8 +88,9 @@ def _record(x, w, y, attrs, packed):
     # gets from skip_input_indices.
     skip = () if record.should_record_backprop([x]) else (0,)
     op = gradient.PackedConvOp(packed, w, attrs, skip)
-    record.record_operation(PACKED_RECORD, [y], [x, w],
-                            lambda dy: registry.registered_gradient("Conv2D")(op, dy))
+    record.record_operation(
+        PACKED_RECORD, [y], [x, w], lambda dy: registry.registered_gradient("Conv2D")(op, dy)
+    )
 
 
 def binary_conv2d(x, w, spec: BinarySpec, attrs: dict, name=None):
@@ -80,18 +101,27 @@ def binary_conv2d(x, w, spec: BinarySpec, attrs: dict, name=None):
         _check(x, w, attrs)
         library = kernels.library()
         if library is not None and control_flow_util.GraphOrParentsInXlaContext(
-                ops.get_default_graph()):
+            ops.get_default_graph()
+        ):
             _warn_xla_once()
             library = None
-        plan = None if library is None else dispatch.forward_path(
-            spec, attrs, x.dtype.name, x.shape, w.shape)
+        plan = (
+            None
+            if library is None
+            else dispatch.forward_path(spec, attrs, x.dtype.name, x.shape, w.shape)
+        )
         if not dispatch.runs_kernels(plan):
             counts.count_reference(forward=1)
             return reference.binary_conv2d(
-                x, w, spec, attrs["strides"], attrs["padding"],
-                attrs["explicit_paddings"], attrs["dilations"],
-                on_backward=lambda: counts.count_reference(backprop_input=1,
-                                                           backprop_filter=1))
+                x,
+                w,
+                spec,
+                attrs["strides"],
+                attrs["padding"],
+                attrs["explicit_paddings"],
+                attrs["dilations"],
+                on_backward=lambda: counts.count_reference(backprop_input=1, backprop_filter=1),
+            )
         recording = execute.must_record_gradient()
         with record.stop_recording():
             # Inference (no tape recording) lets the forward keep its packed
@@ -99,8 +129,9 @@ def binary_conv2d(x, w, spec: BinarySpec, attrs: dict, name=None):
             # while w's buffer stays the same: safe, since TF writes a
             # variable read elsewhere to a new buffer (see the op's
             # cache_filter). A training step would only pay a copy.
-            y = library.tapehook_binary_conv2d(x, w, **attrs, **spec.op_attrs(),
-                                               cache_filter=not recording, plan=plan)
+            y = library.tapehook_binary_conv2d(
+                x, w, **attrs, **spec.op_attrs(), cache_filter=not recording, plan=plan
+            )
             # With binary activations the backward needs only sign(x) and e'(x):
             # keep those bits, not x (packing.py). Graph gradients of the op
             # find them on it; unused in inference, Grappler prunes them.
@@ -115,9 +146,17 @@ def binary_conv2d(x, w, spec: BinarySpec, attrs: dict, name=None):
         return y
 
 
-def conv2d(input, filter, strides, padding, use_cudnn_on_gpu=True,  # noqa: A002
-           explicit_paddings=(), data_format="NHWC", dilations=(1, 1, 1, 1),
-           name=None):
+def conv2d(
+    input,
+    filter,
+    strides,
+    padding,
+    use_cudnn_on_gpu=True,  # noqa: A002
+    explicit_paddings=(),
+    data_format="NHWC",
+    dilations=(1, 1, 1, 1),
+    name=None,
+):
     """gen_nn_ops.conv2d's arguments, with a marked filter (patches.py sends
     only those here): the binary conv."""
     del use_cudnn_on_gpu  # CPU kernels; the GPU ones choose their own
@@ -125,18 +164,28 @@ def conv2d(input, filter, strides, padding, use_cudnn_on_gpu=True,  # noqa: A002
     if spec is None:
         raise TapehookError(
             "tapehook.conv2d.conv2d got an unmarked filter; patches.py sends only "
-            "calls with a marked filter here")
+            "calls with a marked filter here"
+        )
     if not isinstance(padding, str):
         raise TapehookError(f"padding must be 'SAME', 'VALID' or 'EXPLICIT', got {padding!r}")
-    attrs = {"strides": list(strides), "padding": padding,
-             "explicit_paddings": list(explicit_paddings or []),
-             "data_format": data_format or "NHWC",
-             "dilations": list(dilations or [1, 1, 1, 1])}
+    attrs = {
+        "strides": list(strides),
+        "padding": padding,
+        "explicit_paddings": list(explicit_paddings or []),
+        "data_format": data_format or "NHWC",
+        "dilations": list(dilations or [1, 1, 1, 1]),
+    }
     if spec.pad_value and padding != "VALID" and attrs["data_format"] == "NHWC":
         # One-padding: a VALID conv of x padded with pad_value (sign(1) = 1,
         # so x_hat is padded with 1 too); every path then sees a VALID conv,
         # the padded taps count in dW, and tf.pad's gradient slices dX back.
         input, attrs["padding"], attrs["explicit_paddings"] = reference.pad_input(  # noqa: A001
-            tf.convert_to_tensor(input), filter.shape, attrs["strides"], padding,
-            attrs["explicit_paddings"], attrs["dilations"], spec.pad_value)
+            tf.convert_to_tensor(input),
+            filter.shape,
+            attrs["strides"],
+            padding,
+            attrs["explicit_paddings"],
+            attrs["dilations"],
+            spec.pad_value,
+        )
     return binary_conv2d(input, filter, spec, attrs, name=name)

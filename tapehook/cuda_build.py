@@ -61,9 +61,11 @@ def find_nvcc():
 def cuda_unavailable_reason():
     """None if nvcc is available, else why the CUDA kernels cannot be built."""
     if find_nvcc() is None:
-        return ("nvcc not found (looked at $NVCC, PATH, $CUDA_HOME/bin, "
-                "/usr/local/cuda/bin); install a CUDA 12.x toolkit or "
-                "`pip install nvidia-cuda-nvcc-cu12` and set CUDA_HOME")
+        return (
+            "nvcc not found (looked at $NVCC, PATH, $CUDA_HOME/bin, "
+            "/usr/local/cuda/bin); install a CUDA 12.x toolkit or "
+            "`pip install nvidia-cuda-nvcc-cu12` and set CUDA_HOME"
+        )
     return None
 
 
@@ -80,8 +82,11 @@ def toolkit_dirs(nvcc):
     nvcc may be a wrapper script (as /usr/local/bin/nvcc here), so its own
     path does not locate the toolkit.
     """
-    run = subprocess.run([nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
-                         capture_output=True, text=True)
+    run = subprocess.run(
+        [nvcc, "--dryrun", "-c", "-x", "cu", os.devnull, "-o", os.devnull],
+        capture_output=True,
+        text=True,
+    )
     text = run.stdout + run.stderr
 
     def paths(var, flag):
@@ -91,8 +96,10 @@ def toolkit_dirs(nvcc):
 
     includes, libs = paths("INCLUDES", "-I"), paths("LIBRARIES", "-L")
     if not includes or not libs:
-        raise CudaBuildError(f"could not read the CUDA include / library dirs from "
-                             f"`{nvcc} --dryrun`:\n{text[-2000:]}")
+        raise CudaBuildError(
+            f"could not read the CUDA include / library dirs from "
+            f"`{nvcc} --dryrun`:\n{text[-2000:]}"
+        )
     return includes, libs
 
 
@@ -107,20 +114,26 @@ def gencode_flags(archs=DEFAULT_ARCHS):
 
 
 def nvcc_flags(root, archs=DEFAULT_ARCHS):
-    return ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "--threads", "0",
-            f"-I{root}", *gencode_flags(archs)]
+    return [
+        "-O3",
+        "-std=c++17",
+        "-Xcompiler",
+        "-fPIC",
+        "--threads",
+        "0",
+        f"-I{root}",
+        *gencode_flags(archs),
+    ]
 
 
 def _run_all(jobs):
     """Runs compile commands concurrently; raises with the first failure's output."""
     workers = max(1, min(len(jobs), os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        runs = list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True),
-                             jobs))
+        runs = list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True), jobs))
     for cmd, run in zip(jobs, runs):
         if run.returncode:
-            raise CudaBuildError(f"`{' '.join(cmd)}` failed:\n"
-                                 f"{(run.stdout + run.stderr)[-4000:]}")
+            raise CudaBuildError(f"`{' '.join(cmd)}` failed:\n{(run.stdout + run.stderr)[-4000:]}")
 
 
 def cuda_sources(root):
@@ -146,8 +159,10 @@ def compile_cuda(root, out_dir, archs=DEFAULT_ARCHS):
     _run_all(jobs)
     static = [d for d in libs if os.path.isfile(os.path.join(d, "libcudart_static.a"))]
     if not static:
-        raise CudaBuildError(f"libcudart_static.a not found in {libs}; install the CUDA "
-                             f"runtime of the same toolkit as {nvcc}")
+        raise CudaBuildError(
+            f"libcudart_static.a not found in {libs}; install the CUDA "
+            f"runtime of the same toolkit as {nvcc}"
+        )
     compile_flags = ["-DGOOGLE_CUDA=1", *(f"-I{d}" for d in includes)]
     return objects, compile_flags, [f"-L{static[0]}", *LINK_LIBS]
 
@@ -171,8 +186,19 @@ def build_harness(root, out_path, archs=DEFAULT_ARCHS, cuda_objects=None):
         objects.append(obj)
     build_dir.mkdir(parents=True, exist_ok=True)
     _run_all(jobs)
-    link = subprocess.run([nvcc, "-shared", *gencode_flags(archs), *map(str, objects),
-                           "-o", str(out_path), "-lpthread"], capture_output=True, text=True)
+    link = subprocess.run(
+        [
+            nvcc,
+            "-shared",
+            *gencode_flags(archs),
+            *map(str, objects),
+            "-o",
+            str(out_path),
+            "-lpthread",
+        ],
+        capture_output=True,
+        text=True,
+    )
     if link.returncode:
         raise CudaBuildError(f"linking {out_path} failed:\n{(link.stdout + link.stderr)[-4000:]}")
     return out_path

@@ -204,7 +204,13 @@ def forward_path(spec, attrs=None, dtype=None, x_shape=None, w_shape=None) -> st
     dilations, ...); dtype: the input's dtype name; x_shape / w_shape: static
     shapes (NHWC, HWIO)."""
     return _choose_here(
-        "forward", attrs, dtype, x_shape, w_shape, bool(spec.activation_estimator), False,
+        "forward",
+        attrs,
+        dtype,
+        x_shape,
+        w_shape,
+        bool(spec.activation_estimator),
+        False,
         spec,
     )
 

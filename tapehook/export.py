@@ -59,8 +59,12 @@ class _Data:
 
     def add(self, array, dtype):
         raw = np.ascontiguousarray(array, dtype=_numpy_dtype(dtype)).tobytes()
-        record = {"offset": self.size, "shape": list(np.shape(array)), "dtype": dtype,
-                  "sha256": hashlib.sha256(raw).hexdigest()}
+        record = {
+            "offset": self.size,
+            "shape": list(np.shape(array)),
+            "dtype": dtype,
+            "sha256": hashlib.sha256(raw).hexdigest(),
+        }
         self.chunks.append(raw)
         self.size += len(raw)
         return record
@@ -96,27 +100,38 @@ def export_bitpacked(model, path) -> dict:
     data, entries = _Data(), []
     for var in weights:
         value = np.asarray(var.numpy())
-        entry = {"path": var.path, "name": var.name, "shape": list(value.shape),
-                 "dtype": _dtype_name(var)}
+        entry = {
+            "path": var.path,
+            "name": var.name,
+            "shape": list(value.shape),
+            "dtype": _dtype_name(var),
+        }
         if id(var) in binary and binary[id(var)][1].weights:
             layer, spec = binary[id(var)]
             if not np.all(np.isfinite(value.astype(np.float64))):
                 raise TapehookError(
                     f"binary kernel {var.path} holds inf or NaN: its sign bits and "
-                    f"alpha cannot be stored; fix the weights before exporting")
+                    f"alpha cannot be stored; fix the weights before exporting"
+                )
             out_axes = output_axes(type(layer).__name__)
-            entry.update(kind="binary", layer=layer.name, layer_type=type(layer).__name__,
-                         spec=models.spec_to_config(spec), output_axes=out_axes,
-                         bits=data.add(np.packbits(_sign_rows(value, out_axes), axis=1),
-                                       "uint8"),
-                         alpha=data.add(_alpha(value, spec, out_axes), _ALPHA_DTYPE))
+            entry.update(
+                kind="binary",
+                layer=layer.name,
+                layer_type=type(layer).__name__,
+                spec=models.spec_to_config(spec),
+                output_axes=out_axes,
+                bits=data.add(np.packbits(_sign_rows(value, out_axes), axis=1), "uint8"),
+                alpha=data.add(_alpha(value, spec, out_axes), _ALPHA_DTYPE),
+            )
         else:
             entry.update(kind="float", value=data.add(value, entry["dtype"]))
             if id(var) in binary:  # weights=False: a float kernel, binary input
                 entry["spec"] = models.spec_to_config(binary[id(var)][1])
         entries.append(entry)
-    manifest = json.dumps({"format": FORMAT, "version": VERSION, "data_bytes": data.size,
-                           "weights": entries}, indent=1).encode()
+    manifest = json.dumps(
+        {"format": FORMAT, "version": VERSION, "data_bytes": data.size, "weights": entries},
+        indent=1,
+    ).encode()
     header = _HEADER.pack(MAGIC, VERSION, len(manifest), zlib.crc32(manifest))
     path = os.fspath(path)
     partial = f"{path}.partial-{os.getpid()}"
@@ -128,11 +143,13 @@ def export_bitpacked(model, path) -> dict:
     binary_entries = [e for e in entries if e["kind"] == "binary"]
     binary_weights = sum(math.prod(e["shape"]) for e in binary_entries)
     return dict(
-        binary_kernels=len(binary_entries), binary_weights=binary_weights,
+        binary_kernels=len(binary_entries),
+        binary_weights=binary_weights,
         binary_bytes=sum(_nbytes(e["bits"]) + _nbytes(e["alpha"]) for e in binary_entries),
         binary_float32_bytes=4 * binary_weights,
         other_bytes=sum(_nbytes(e["value"]) for e in entries if e["kind"] == "float"),
-        file_bytes=os.path.getsize(path))
+        file_bytes=os.path.getsize(path),
+    )
 
 
 def _sign_rows(w, out_axes):
@@ -154,7 +171,8 @@ def _weights(model, action):
     if not weights:
         raise TapehookError(
             f"cannot {action} {model.name}: it has no weights yet; build it first "
-            f"(call it on a batch or use model.build(input_shape))")
+            f"(call it on a batch or use model.build(input_shape))"
+        )
     return weights
 
 
@@ -169,24 +187,27 @@ def _read(path):
         raise TapehookError(f"{path}: not a tapehook bitpacked file (bad magic {magic!r})")
     if version != VERSION:
         raise TapehookError(
-            f"{path}: format version {version}; this tapehook reads version {VERSION}")
+            f"{path}: format version {version}; this tapehook reads version {VERSION}"
+        )
     start = _HEADER.size + manifest_bytes
     if len(raw) < start:
         raise TapehookError(f"{path}: truncated inside the manifest")
-    manifest_raw = raw[_HEADER.size:start]
+    manifest_raw = raw[_HEADER.size : start]
     if zlib.crc32(manifest_raw) != crc:
         raise TapehookError(f"{path}: manifest checksum mismatch; the file is corrupt")
     manifest = json.loads(manifest_raw)
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise TapehookError(
             f"{path}: manifest says format {manifest.get('format')!r} version "
-            f"{manifest.get('version')!r}, expected {FORMAT!r} version {VERSION}")
+            f"{manifest.get('version')!r}, expected {FORMAT!r} version {VERSION}"
+        )
     data = raw[start:]
     if len(data) != manifest["data_bytes"]:
         state = "truncated" if len(data) < manifest["data_bytes"] else "has trailing bytes"
         raise TapehookError(
             f"{path}: {state}: data section is {len(data)} bytes, the manifest "
-            f"says {manifest['data_bytes']}")
+            f"says {manifest['data_bytes']}"
+        )
     return manifest, data
 
 
@@ -195,7 +216,7 @@ def _array(data, record, what):
     offset, nbytes = record["offset"], _nbytes(record)
     if not 0 <= offset <= len(data) - nbytes:
         raise TapehookError(f"{what}: bytes {offset}..{offset + nbytes} lie outside the data")
-    raw = data[offset:offset + nbytes]
+    raw = data[offset : offset + nbytes]
     if hashlib.sha256(raw).hexdigest() != record["sha256"]:
         raise TapehookError(f"{what}: checksum mismatch; the file is corrupt")
     return np.frombuffer(raw, _numpy_dtype(record["dtype"])).reshape(record["shape"])
@@ -206,8 +227,7 @@ def _describe(entry):
 
 
 def _target_entry(var):
-    return {"path": var.path, "name": var.name, "shape": list(var.shape),
-            "dtype": _dtype_name(var)}
+    return {"path": var.path, "name": var.name, "shape": list(var.shape), "dtype": _dtype_name(var)}
 
 
 def _check_matches(entries, weights, path):
@@ -218,15 +238,19 @@ def _check_matches(entries, weights, path):
     for i in range(max(len(entries), len(targets))):
         stored = entries[i] if i < len(entries) else None
         target = targets[i] if i < len(targets) else None
-        same = stored is not None and target is not None and all(
-            stored[k] == target[k] for k in ("name", "shape", "dtype"))
+        same = (
+            stored is not None
+            and target is not None
+            and all(stored[k] == target[k] for k in ("name", "shape", "dtype"))
+        )
         if not same:
             raise TapehookError(
                 f"{path} does not fit this model: the file has {len(entries)} weights, "
                 f"the model {len(targets)}; weight {i} is "
                 f"{_describe(stored) if stored else 'missing'} in the file and "
                 f"{_describe(target) if target else 'missing'} in the model; load into "
-                f"a model of the architecture that was exported")
+                f"a model of the architecture that was exported"
+            )
 
 
 def _binary_value(entry, data, what):
@@ -241,7 +265,8 @@ def _binary_value(entry, data, what):
     alpha = _array(data, entry["alpha"], f"{what} alpha").astype(np.float32)
     if bits.shape != (out, (k + 7) // 8) or alpha.shape != (out,):
         raise TapehookError(
-            f"{what}: bits {bits.shape} / alpha {alpha.shape} do not fit shape {shape}")
+            f"{what}: bits {bits.shape} / alpha {alpha.shape} do not fit shape {shape}"
+        )
     rows = np.unpackbits(bits, axis=1)
     if rows[:, k:].any():
         raise TapehookError(f"{what}: padding bits are set; the file is corrupt")
@@ -250,12 +275,14 @@ def _binary_value(entry, data, what):
     if spec.scale is None and not np.all(alpha == 1):
         raise TapehookError(f"{what}: alpha must be ones when the spec has no scale")
     signs = rows[:, :k].T.reshape(shape).astype(bool)
-    value = (alpha.reshape(shape[-out_axes:]) * np.where(signs, 1.0, -1.0).astype(
-        np.float32)).astype(_numpy_dtype(dtype))
+    value = (
+        alpha.reshape(shape[-out_axes:]) * np.where(signs, 1.0, -1.0).astype(np.float32)
+    ).astype(_numpy_dtype(dtype))
     if not np.array_equal(sign_bits(value), signs):
         raise TapehookError(
             f"{what}: alpha * sign does not reproduce the sign bits in {dtype} "
-            f"(alpha 0 or below {dtype}'s range on a channel with -1 signs)")
+            f"(alpha 0 or below {dtype}'s range on a channel with -1 signs)"
+        )
     return value, spec
 
 
@@ -271,10 +298,15 @@ def load_bitpacked(model, path):
         manifest, data = _read(path)
         entries = manifest["weights"]
         _check_matches(entries, weights, path)
-        layers = {id(layer.kernel): layer for layer in model._flatten_layers(include_self=False)
-                  if getattr(layer, "kernel", None) is not None}
-        updates = [_update(entry, var, layers.get(id(var)), data, f"{path}: {entry['path']}")
-                   for entry, var in zip(entries, weights)]
+        layers = {
+            id(layer.kernel): layer
+            for layer in model._flatten_layers(include_self=False)
+            if getattr(layer, "kernel", None) is not None
+        }
+        updates = [
+            _update(entry, var, layers.get(id(var)), data, f"{path}: {entry['path']}")
+            for entry, var in zip(entries, weights)
+        ]
     except TapehookError:
         raise
     except (AttributeError, KeyError, TypeError, ValueError) as exc:
@@ -297,7 +329,8 @@ def _update(entry, var, layer, data, what):
             owner = f"a {type(layer).__name__} kernel" if layer else "not a layer's kernel"
             raise TapehookError(
                 f"{what} is stored binary, but the model's {var.path} is {owner}; only "
-                f"Conv1D / Conv2D / DepthwiseConv2D / Dense kernels can be binary")
+                f"Conv1D / Conv2D / DepthwiseConv2D / Dense kernels can be binary"
+            )
         value, spec = _binary_value(entry, data, what)
         return var, value, spec, layer
     if entry["kind"] != "float":
@@ -306,5 +339,6 @@ def _update(entry, var, layer, data, what):
     if spec is None and binary_layer and marks.binary_spec_of(var) is not None:
         raise TapehookError(
             f"{what} is stored float, but the model marks {var.path} binary; unmark it "
-            f"(or binarize fewer layers) so the loaded model computes what was exported")
+            f"(or binarize fewer layers) so the loaded model computes what was exported"
+        )
     return var, _array(data, entry["value"], what), spec, layer

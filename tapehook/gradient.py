@@ -26,10 +26,14 @@ BACKPROPS = ("backprop_input", "backprop_filter")  # one per Conv2D input (x, W)
 
 # kernel op per backprop: (from x, from packed input bits)
 _KERNEL_OPS = {
-    "backprop_input": ("tapehook_binary_conv2d_backprop_input",
-                       "tapehook_binary_conv2d_backprop_input_packed"),
-    "backprop_filter": ("tapehook_binary_conv2d_backprop_filter",
-                        "tapehook_binary_conv2d_backprop_filter_packed"),
+    "backprop_input": (
+        "tapehook_binary_conv2d_backprop_input",
+        "tapehook_binary_conv2d_backprop_input_packed",
+    ),
+    "backprop_filter": (
+        "tapehook_binary_conv2d_backprop_filter",
+        "tapehook_binary_conv2d_backprop_filter_packed",
+    ),
 }
 
 
@@ -71,7 +75,8 @@ def _library():
     if library is None:
         raise TapehookError(
             "a binary Conv2D recorded on the compiled kernels needs them for its "
-            "gradient, but they are not loaded; see tapehook.kernel_info()")
+            "gradient, but they are not loaded; see tapehook.kernel_info()"
+        )
     return library
 
 
@@ -92,9 +97,18 @@ def _stock_backprops(ops, x, w, dy, spec, attrs):
     if isinstance(x, PackedInput):
         x, input_mask = x.unpack()
     dx, dw = reference.binary_conv2d_backward(
-        x, w, dy, spec, attrs["strides"], attrs["padding"], attrs["explicit_paddings"],
-        attrs["dilations"], need_dx="backprop_input" in ops,
-        need_dw="backprop_filter" in ops, input_mask=input_mask)
+        x,
+        w,
+        dy,
+        spec,
+        attrs["strides"],
+        attrs["padding"],
+        attrs["explicit_paddings"],
+        attrs["dilations"],
+        need_dx="backprop_input" in ops,
+        need_dw="backprop_filter" in ops,
+        input_mask=input_mask,
+    )
     return {op: grad for op, grad in zip(BACKPROPS, (dx, dw)) if op in ops}
 
 
@@ -103,10 +117,20 @@ def binary_backward(x, w, dy, spec, attrs, skip=()):
     of the input. Each backprop takes its own path (the dispatcher may split
     them)."""
     packed = isinstance(x, PackedInput)
-    paths = {op: dispatch.backprop_path(
-        attrs, dy.dtype.name, x.shape, w.shape, filter_grad=op == "backprop_filter",
-        binary_input=bool(spec.activation_estimator), packed=packed, spec=spec)
-        for i, op in enumerate(BACKPROPS) if i not in skip}
+    paths = {
+        op: dispatch.backprop_path(
+            attrs,
+            dy.dtype.name,
+            x.shape,
+            w.shape,
+            filter_grad=op == "backprop_filter",
+            binary_input=bool(spec.activation_estimator),
+            packed=packed,
+            spec=spec,
+        )
+        for i, op in enumerate(BACKPROPS)
+        if i not in skip
+    }
     stock = [op for op, path in paths.items() if path == dispatch.STOCK]
     grads = _stock_backprops(stock, x, w, dy, spec, attrs) if stock else {}
     for op, path in paths.items():
@@ -121,8 +145,7 @@ def conv2d_grad(op, grad):
     if spec is None:
         return registry.original_gradient("Conv2D")(op, grad)
     skip = tuple(getattr(op, "skip_input_indices", None) or ())
-    return binary_backward(op.inputs[0], op.inputs[1], grad, spec, conv_attrs(op.get_attr),
-                           skip)
+    return binary_backward(op.inputs[0], op.inputs[1], grad, spec, conv_attrs(op.get_attr), skip)
 
 
 def binary_conv2d_op_grad(op, grad):
@@ -130,5 +153,6 @@ def binary_conv2d_op_grad(op, grad):
     the input's bits (binary activations) on the op when it was built here."""
     skip = tuple(getattr(op, "skip_input_indices", None) or ())
     x = getattr(op, "_tapehook_packed_input", None) or op.inputs[0]
-    return binary_backward(x, op.inputs[1], grad, BinarySpec.from_op_attrs(op.get_attr),
-                           conv_attrs(op.get_attr), skip)
+    return binary_backward(
+        x, op.inputs[1], grad, BinarySpec.from_op_attrs(op.get_attr), conv_attrs(op.get_attr), skip
+    )

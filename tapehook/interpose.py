@@ -12,7 +12,6 @@ kernel therefore goes to an op that dilates natively, so x_hat is padded
 with zeros exactly as for an undilated conv (docs/design.md).
 """
 
-import contextlib
 import threading
 
 import numpy as np
@@ -42,12 +41,22 @@ def conv2d_call(spec, **call):
     """gen_nn_ops.conv2d with a marked filter."""
     del spec  # conv2d.conv2d reads it again (marking the filter in a scope)
     call["padding"], call["explicit_paddings"] = causal_padding(
-        call.get("padding"), call.get("explicit_paddings", ()))
+        call.get("padding"), call.get("explicit_paddings", ())
+    )
     return conv2d.conv2d(**call)
 
 
-def convolution_internal(spec, input, filters, strides=None, padding="VALID",  # noqa: A002
-                         data_format=None, dilations=None, name=None, **_):
+def convolution_internal(
+    spec,
+    input,
+    filters,
+    strides=None,
+    padding="VALID",  # noqa: A002
+    data_format=None,
+    dilations=None,
+    name=None,
+    **_,
+):
     """nn_ops.convolution_internal with a marked filter and dilation: Conv2D
     (4-D filter) or Conv1D (3-D filter) with native dilations; None to let
     TF's function run (undilated: it reaches gen_nn_ops.conv2d directly)."""
@@ -59,11 +68,25 @@ def convolution_internal(spec, input, filters, strides=None, padding="VALID",  #
     if stride is None:
         return None
     if rank == 4 and data_format in (None, "NHWC"):
-        return nn_ops.conv2d_v2(input, filters, strides=stride, padding=padding,
-                                data_format="NHWC", dilations=ints, name=name)
+        return nn_ops.conv2d_v2(
+            input,
+            filters,
+            strides=stride,
+            padding=padding,
+            data_format="NHWC",
+            dilations=ints,
+            name=name,
+        )
     if rank == 3 and data_format in (None, "NWC"):
-        return nn_ops.conv1d_v2(input, filters, stride=stride, padding=padding,
-                                data_format="NWC", dilations=ints, name=name)
+        return nn_ops.conv1d_v2(
+            input,
+            filters,
+            stride=stride,
+            padding=padding,
+            data_format="NWC",
+            dilations=ints,
+            name=name,
+        )
     return None
 
 
@@ -74,35 +97,56 @@ def _depthwise_dilations(rate, data_format, padding):
     if data_format not in (None, "NHWC"):
         raise TapehookError(
             f"a marked depthwise filter was used with data_format {data_format}; "
-            f"binary kernels support NHWC only (Keras: data_format='channels_last')")
+            f"binary kernels support NHWC only (Keras: data_format='channels_last')"
+        )
     ints = ints * 2 if len(ints) == 1 else ints
     return [1, ints[0], ints[1], 1]
 
 
-def depthwise_conv2d(spec, input, filter, strides, padding, rate=None, name=None,  # noqa: A002
-                     data_format=None, dilations=None):
+def depthwise_conv2d(
+    spec,
+    input,
+    filter,
+    strides,
+    padding,
+    rate=None,
+    name=None,  # noqa: A002
+    data_format=None,
+    dilations=None,
+):
     """nn_impl.depthwise_conv2d (tf.nn.depthwise_conv2d, Keras DepthwiseConv2D)
     with a marked filter and dilation: DepthwiseConv2dNative with dilations."""
-    native = _depthwise_dilations(rate if rate is not None else dilations, data_format,
-                                  padding)
+    native = _depthwise_dilations(rate if rate is not None else dilations, data_format, padding)
     if native is None:
         return None
-    return nn_ops.depthwise_conv2d_native(input, filter, strides, padding,
-                                          data_format="NHWC", dilations=native, name=name)
+    return nn_ops.depthwise_conv2d_native(
+        input, filter, strides, padding, data_format="NHWC", dilations=native, name=name
+    )
 
 
-def separable_conv2d(spec, input, depthwise_filter, pointwise_filter, strides, padding,  # noqa: A002
-                     rate=None, name=None, data_format=None, dilations=None):
+def separable_conv2d(
+    spec,
+    input,
+    depthwise_filter,
+    pointwise_filter,
+    strides,
+    padding,  # noqa: A002
+    rate=None,
+    name=None,
+    data_format=None,
+    dilations=None,
+):
     """nn_impl.separable_conv2d with a marked depthwise filter and dilation:
     the depthwise part dilates natively, then the 1x1 pointwise conv."""
-    native = _depthwise_dilations(rate if rate is not None else dilations, data_format,
-                                  padding)
+    native = _depthwise_dilations(rate if rate is not None else dilations, data_format, padding)
     if native is None:
         return None
-    depthwise = nn_ops.depthwise_conv2d_native(input, depthwise_filter, strides, padding,
-                                               data_format="NHWC", dilations=native)
-    return nn_ops.conv2d(depthwise, pointwise_filter, [1, 1, 1, 1], "VALID",
-                         data_format="NHWC", name=name)
+    depthwise = nn_ops.depthwise_conv2d_native(
+        input, depthwise_filter, strides, padding, data_format="NHWC", dilations=native
+    )
+    return nn_ops.conv2d(
+        depthwise, pointwise_filter, [1, 1, 1, 1], "VALID", data_format="NHWC", name=name
+    )
 
 
 def _checked(x, w, what):
@@ -129,23 +173,32 @@ def mat_mul(spec, a, b, transpose_a=False, transpose_b=False, **_):
 def batch_mat_mul(spec, x, y, adj_x=False, adj_y=False, **_):
     """gen_math_ops.batch_mat_mul_v2 / v3 with a marked right operand."""
     if adj_x or adj_y or y.shape.rank != 2:
-        raise TapehookError(
-            "binary Dense supports x @ W with a 2-D marked W and no adjoints")
+        raise TapehookError("binary Dense supports x @ W with a 2-D marked W and no adjoints")
     xt, w = _checked(x, y, "Dense")
     return reference.binary_matmul(xt, w, spec, _count_backward)
 
 
-def depthwise_conv2d_native(spec, input, filter, strides, padding,  # noqa: A002
-                            explicit_paddings=(), data_format="NHWC",
-                            dilations=(1, 1, 1, 1), name=None):
+def depthwise_conv2d_native(
+    spec,
+    input,
+    filter,
+    strides,
+    padding,  # noqa: A002
+    explicit_paddings=(),
+    data_format="NHWC",
+    dilations=(1, 1, 1, 1),
+    name=None,
+):
     """gen_nn_ops.depthwise_conv2d_native with a marked filter."""
     if (data_format or "NHWC") != "NHWC":
         raise TapehookError(
             f"a marked depthwise filter was used with data_format {data_format}; "
-            f"binary kernels support NHWC only (Keras: data_format='channels_last')")
+            f"binary kernels support NHWC only (Keras: data_format='channels_last')"
+        )
     x, w = _checked(input, filter, "DepthwiseConv2D")
-    return reference.binary_depthwise_conv2d(x, w, spec, strides, padding,
-                                             explicit_paddings, dilations, _count_backward)
+    return reference.binary_depthwise_conv2d(
+        x, w, spec, strides, padding, explicit_paddings, dilations, _count_backward
+    )
 
 
 # ---- Keras Conv1D(padding="causal") ----

@@ -15,11 +15,12 @@ import threading
 
 import numpy as np
 import tensorflow as tf
+
 from tapehook.compat import keras_variable_base, resource_variable_ops
 from tapehook.errors import TapehookError
 from tapehook.spec import FIELDS, BinarySpec
 
-_SPEC_ATTR = "_tapehook_spec"      # on a component variable's handle
+_SPEC_ATTR = "_tapehook_spec"  # on a component variable's handle
 SOURCE_ATTR = "_tapehook_variable"  # on a tensor: the variable it was read from
 SUPPORTED_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 KERNEL_RANKS = (2, 3, 4)  # Dense, Conv1D, Conv2D / DepthwiseConv2D
@@ -36,8 +37,20 @@ _arm_lock = threading.Lock()
 
 # Objects that are never variables nor tensors read from one: the operand
 # check returns at once for them (NumPy / Python inputs to TF functions).
-_PLAIN_TYPES = (np.ndarray, np.generic, list, tuple, dict, int, float, complex, bool,
-                str, bytes, type(None))
+_PLAIN_TYPES = (
+    np.ndarray,
+    np.generic,
+    list,
+    tuple,
+    dict,
+    int,
+    float,
+    complex,
+    bool,
+    str,
+    bytes,
+    type(None),
+)
 
 
 def arm() -> None:
@@ -66,8 +79,11 @@ def components(obj):
     container = getattr(obj, "_distributed_container", None)
     if container is not None and container() is not None:
         obj = container()
-    if hasattr(obj, "values") and isinstance(obj, tf.Variable) and not isinstance(
-            obj, resource_variable_ops.BaseResourceVariable):
+    if (
+        hasattr(obj, "values")
+        and isinstance(obj, tf.Variable)
+        and not isinstance(obj, resource_variable_ops.BaseResourceVariable)
+    ):
         return [c for v in obj.values for c in components(v)]
     if isinstance(obj, resource_variable_ops.BaseResourceVariable):
         return [obj]
@@ -84,18 +100,21 @@ def _check_markable(var):
         raise TapehookError(
             f"mark_binary needs a tf.Variable or keras.Variable holding a Conv2D "
             f"filter, got {type(var).__name__}; create the filter with tf.Variable "
-            f"(or a Keras layer) and mark that")
+            f"(or a Keras layer) and mark that"
+        )
     first = comps[0]
     if first.dtype not in SUPPORTED_DTYPES:
         raise TapehookError(
             f"variable {first.name} has dtype {first.dtype.name}; binary kernels "
-            f"support {_SUPPORTED_NAMES}")
+            f"support {_SUPPORTED_NAMES}"
+        )
     rank = first.shape.rank
     if rank not in KERNEL_RANKS:
         raise TapehookError(
             f"variable {first.name} has shape {first.shape}; only kernels can be "
             f"marked binary: Conv2D / DepthwiseConv2D [h, w, in, out] (4-D), Conv1D "
-            f"[w, in, out] (3-D) and Dense [in, out] (2-D)")
+            f"[w, in, out] (3-D) and Dense [in, out] (2-D)"
+        )
     return comps
 
 
@@ -104,19 +123,20 @@ def check_operands(x, w, what: str) -> None:
     if w.dtype not in SUPPORTED_DTYPES:
         raise TapehookError(
             f"{what} kernel marked binary has dtype {w.dtype.name}; binary kernels "
-            f"support {_SUPPORTED_NAMES}")
+            f"support {_SUPPORTED_NAMES}"
+        )
     if x.dtype != w.dtype:
         raise TapehookError(
             f"binary {what} input has dtype {x.dtype.name} but the marked kernel "
-            f"has {w.dtype.name}; cast the input to {w.dtype.name}")
+            f"has {w.dtype.name}; cast the input to {w.dtype.name}"
+        )
 
 
 def make_spec(spec_kwargs) -> BinarySpec:
     try:
         return BinarySpec(**spec_kwargs)
     except TypeError as exc:
-        raise TapehookError(
-            f"{exc}; a binary spec takes {', '.join(FIELDS)}") from None
+        raise TapehookError(f"{exc}; a binary spec takes {', '.join(FIELDS)}") from None
 
 
 def mark_binary(var, **spec):
@@ -136,8 +156,7 @@ def unmark(var) -> None:
     """Removes the binary mark; ``var`` is a float filter again."""
     comps = components(var)
     if comps is None:
-        raise TapehookError(
-            f"unmark needs a variable, got {type(var).__name__}")
+        raise TapehookError(f"unmark needs a variable, got {type(var).__name__}")
     for comp in comps:
         if hasattr(comp.handle, _SPEC_ATTR):
             delattr(comp.handle, _SPEC_ATTR)

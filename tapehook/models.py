@@ -30,6 +30,7 @@ _local = threading.local()
 
 def _keras():
     import keras
+
     return keras
 
 
@@ -42,8 +43,12 @@ def layer_stack():
 def binarizable_types():
     """Keras layers whose kernel tapehook can binarize."""
     keras = _keras()
-    return (keras.layers.Conv1D, keras.layers.Conv2D, keras.layers.DepthwiseConv2D,
-            keras.layers.Dense)
+    return (
+        keras.layers.Conv1D,
+        keras.layers.Conv2D,
+        keras.layers.DepthwiseConv2D,
+        keras.layers.Dense,
+    )
 
 
 def is_binarizable(layer) -> bool:
@@ -59,8 +64,7 @@ def _matches(patterns, layer) -> bool:
         return bool(patterns(layer))
     if isinstance(patterns, str):
         patterns = [patterns]
-    return any(p(layer) if callable(p) else fnmatch.fnmatchcase(layer.name, p)
-               for p in patterns)
+    return any(p(layer) if callable(p) else fnmatch.fnmatchcase(layer.name, p) for p in patterns)
 
 
 class Policy:
@@ -82,8 +86,11 @@ class Policy:
         """
         edges = vars(model).get("_tapehook_edges")
         if edges is None:
-            layers = [l for l in model._flatten_layers(include_self=False)
-                      if not isinstance(l, _keras().Model)]
+            layers = [
+                l
+                for l in model._flatten_layers(include_self=False)
+                if not isinstance(l, _keras().Model)
+            ]
             first = next((l for l in layers if is_binarizable(l)), None)
             edges = {id(first), id(layers[-1])} if layers else set()
             _set(model, "_tapehook_edges", edges)
@@ -103,7 +110,8 @@ class Policy:
             raise TapehookError(
                 f"layer {layer.name!r} has groups={layer.groups}: Keras runs grouped "
                 f"convolutions under XLA, where tapehook's kernels cannot run; keep it "
-                f"float with exclude=[{layer.name!r}] or use groups=1")
+                f"float with exclude=[{layer.name!r}] or use groups=1"
+            )
         return self.spec
 
 
@@ -199,7 +207,8 @@ def _binarize_class(cls, policy):
         if policy.first_and_last_float:
             raise TapehookError(
                 "first_and_last_float needs Keras layers; on a tf.Module use "
-                "exclude=[variable name patterns]")
+                "exclude=[variable name patterns]"
+            )
         original_call = cls.__call__
 
         @functools.wraps(original_call)
@@ -213,27 +222,31 @@ def _binarize_class(cls, policy):
         cls.__call__ = __call__
         return cls
     raise TapehookError(
-        f"binarize decorates keras.Model or tf.Module subclasses, got {cls.__name__}")
+        f"binarize decorates keras.Model or tf.Module subclasses, got {cls.__name__}"
+    )
 
 
 def _variable_matches(patterns, var) -> bool:
     if callable(patterns):
         return bool(patterns(var))
     name = var.name.split(":")[0]
-    return any(p(var) if callable(p) else fnmatch.fnmatchcase(name, p)
-               for p in ([patterns] if isinstance(patterns, str) else patterns))
+    return any(
+        p(var) if callable(p) else fnmatch.fnmatchcase(name, p)
+        for p in ([patterns] if isinstance(patterns, str) else patterns)
+    )
 
 
 def _module_owns(module, policy, var) -> bool:
     """Is ``var`` one of ``module``'s variables that the policy binarizes?"""
     ids = {id(c.handle) for v in module.variables for c in marks.components(v)}
-    return (any(id(c.handle) in ids for c in marks.components(var))
-            and (policy.include is None or _variable_matches(policy.include, var))
-            and (policy.exclude is None or not _variable_matches(policy.exclude, var)))
+    return (
+        any(id(c.handle) in ids for c in marks.components(var))
+        and (policy.include is None or _variable_matches(policy.include, var))
+        and (policy.exclude is None or not _variable_matches(policy.exclude, var))
+    )
 
 
-def binarize(target=None, /, *, include=None, exclude=None,
-             first_and_last_float=False, **spec):
+def binarize(target=None, /, *, include=None, exclude=None, first_and_last_float=False, **spec):
     """Binarize the Conv1D / Conv2D kernels of a model.
 
     As a decorator on a keras.Model (or tf.Module) subclass, or called on an
@@ -267,4 +280,5 @@ def _binarize_target(target, policy):
         return target
     raise TapehookError(
         f"binarize takes a keras.Model, a tf.Module or a subclass of either, got "
-        f"{type(target).__name__}")
+        f"{type(target).__name__}"
+    )

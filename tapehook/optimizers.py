@@ -35,9 +35,13 @@ def _hyper(value, name, low, high, low_open, fix):
     """A float hyperparameter in its range, or a schedule (checked when used)."""
     if callable(value):  # a LearningRateSchedule or a function of the step
         return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-            math.isfinite(value) and (value > low if low_open else value >= low)
-            and value <= high):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not (
+            math.isfinite(value) and (value > low if low_open else value >= low) and value <= high
+        )
+    ):
         raise TapehookError(f"Bop({name}={value!r}): {fix}")
     return float(value)
 
@@ -76,27 +80,45 @@ class Bop(keras.optimizers.Optimizer):
     """
 
     def __init__(self, threshold=1e-8, gamma=1e-4, name="Bop", **kwargs):
-        for key, why in (("learning_rate", "Bop's step size is gamma"),
-                         ("weight_decay", "decay would make binary weights non-binary"),
-                         ("use_ema", "averaged weights are not binary")):
+        for key, why in (
+            ("learning_rate", "Bop's step size is gamma"),
+            ("weight_decay", "decay would make binary weights non-binary"),
+            ("use_ema", "averaged weights are not binary"),
+        ):
             if kwargs.get(key) not in (None, False):
                 raise TapehookError(
                     f"Bop does not take {key}={kwargs[key]!r}: {why}; set it on the "
-                    f"float optimizer of a tapehook.optimizers.CaseOptimizer instead")
+                    f"float optimizer of a tapehook.optimizers.CaseOptimizer instead"
+                )
             kwargs.pop(key, None)
-        gamma = _hyper(gamma, "gamma", 0.0, 1.0, True,
-                       "gamma is the momentum's adaptivity rate and must be in (0, 1], "
-                       "e.g. 1e-4 (or a LearningRateSchedule)")
-        threshold = _hyper(threshold, "threshold", 0.0, math.inf, False,
-                           "threshold must be a finite number >= 0, e.g. 1e-8 (or a "
-                           "LearningRateSchedule)")
+        gamma = _hyper(
+            gamma,
+            "gamma",
+            0.0,
+            1.0,
+            True,
+            "gamma is the momentum's adaptivity rate and must be in (0, 1], "
+            "e.g. 1e-4 (or a LearningRateSchedule)",
+        )
+        threshold = _hyper(
+            threshold,
+            "threshold",
+            0.0,
+            math.inf,
+            False,
+            "threshold must be a finite number >= 0, e.g. 1e-8 (or a LearningRateSchedule)",
+        )
         super().__init__(learning_rate=gamma, name=name, **kwargs)
         if isinstance(threshold, float):
             # A variable like Keras's learning_rate: settable, checkpointed.
             with keras.name_scope(self.name, caller=self):
-                threshold = keras.Variable(threshold, name="threshold", dtype="float32",
-                                           trainable=False,
-                                           aggregation="only_first_replica")
+                threshold = keras.Variable(
+                    threshold,
+                    name="threshold",
+                    dtype="float32",
+                    trainable=False,
+                    aggregation="only_first_replica",
+                )
             self._track_variable(threshold)
         self._threshold = threshold
 
@@ -121,9 +143,13 @@ class Bop(keras.optimizers.Optimizer):
         if not isinstance(self._threshold, keras.Variable):
             raise TapehookError(
                 "this Bop was created with a threshold schedule; create a new Bop "
-                "with a float threshold to set it")
-        self._threshold.assign(_hyper(value, "threshold", 0.0, math.inf, False,
-                                      "threshold must be a finite number >= 0"))
+                "with a float threshold to set it"
+            )
+        self._threshold.assign(
+            _hyper(
+                value, "threshold", 0.0, math.inf, False, "threshold must be a finite number >= 0"
+            )
+        )
 
     def build(self, variables):
         if self.built:
@@ -131,13 +157,17 @@ class Bop(keras.optimizers.Optimizer):
         for var in variables:
             if not is_binary_variable(var):
                 spec = marks.binary_spec_of(var)
-                why = ("is not marked binary" if spec is None
-                       else "is marked with weights=False (its weights stay float)")
+                why = (
+                    "is not marked binary"
+                    if spec is None
+                    else "is marked with weights=False (its weights stay float)"
+                )
                 raise TapehookError(
                     f"Bop trains binary weights only, but variable {_name(var)!r} {why}; "
                     f"use tapehook.optimizers.CaseOptimizer(Bop(...), "
                     f"keras.optimizers.Adam()) so that float variables get a float "
-                    f"optimizer (or mark the variable binary before training)")
+                    f"optimizer (or mark the variable binary before training)"
+                )
         super().build(variables)
         self._momentums = self.add_optimizer_variables(variables, "momentum")
 
@@ -154,8 +184,9 @@ class Bop(keras.optimizers.Optimizer):
         agreement = w * m_new
         # Flip where w m > threshold, keep where below; w m == threshold gives
         # +1, as larq's sign(-sign(w m - threshold) w) does.
-        flipped = tf.where(agreement > threshold, -w,
-                           tf.where(agreement < threshold, w, tf.zeros_like(w)))
+        flipped = tf.where(
+            agreement > threshold, -w, tf.where(agreement < threshold, w, tf.zeros_like(w))
+        )
         self.assign(variable, tf.where(flipped >= 0, tf.ones_like(w), -tf.ones_like(w)))
 
     def get_config(self):
@@ -164,8 +195,11 @@ class Bop(keras.optimizers.Optimizer):
         for key in ("weight_decay", "use_ema", "ema_momentum", "ema_overwrite_frequency"):
             config.pop(key)
         threshold = self._threshold
-        config["threshold"] = (float(threshold.numpy()) if isinstance(threshold, keras.Variable)
-                               else keras.saving.serialize_keras_object(threshold))
+        config["threshold"] = (
+            float(threshold.numpy())
+            if isinstance(threshold, keras.Variable)
+            else keras.saving.serialize_keras_object(threshold)
+        )
         return config
 
     @classmethod
@@ -174,7 +208,8 @@ class Bop(keras.optimizers.Optimizer):
         for key in ("gamma", "threshold"):
             if isinstance(config.get(key), dict):
                 config[key] = keras.saving.deserialize_keras_object(
-                    config[key], custom_objects=custom_objects)
+                    config[key], custom_objects=custom_objects
+                )
         return cls(**config)
 
 
@@ -183,17 +218,22 @@ def _check_sub_optimizer(optimizer, what):
         raise TapehookError(
             f"CaseOptimizer's {what} must be a Keras 3 optimizer "
             f"(keras.optimizers.Optimizer), got {type(optimizer).__name__}; legacy "
-            f"tf.keras / larq optimizers do not train Keras 3 models")
+            f"tf.keras / larq optimizers do not train Keras 3 models"
+        )
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer) or (
-            optimizer.loss_scale_factor is not None):
+        optimizer.loss_scale_factor is not None
+    ):
         raise TapehookError(
             f"CaseOptimizer's {what} scales the loss itself; the loss is scaled once, "
             f"for all variables: wrap the CaseOptimizer instead, "
             f"keras.optimizers.LossScaleOptimizer(CaseOptimizer(...)) (Keras does that "
-            f"itself under the mixed_float16 policy)")
+            f"itself under the mixed_float16 policy)"
+        )
     if isinstance(optimizer, CaseOptimizer):
-        raise TapehookError(f"CaseOptimizer's {what} cannot be another CaseOptimizer; "
-                            f"pass all (predicate, optimizer) pairs to one")
+        raise TapehookError(
+            f"CaseOptimizer's {what} cannot be another CaseOptimizer; "
+            f"pass all (predicate, optimizer) pairs to one"
+        )
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -219,12 +259,12 @@ class CaseOptimizer(keras.optimizers.Optimizer):
     CaseOptimizer in a LossScaleOptimizer, which is the supported order.
     """
 
-    def __init__(self, *optimizers, default_optimizer=None, name="case_optimizer",
-                 **kwargs):
+    def __init__(self, *optimizers, default_optimizer=None, name="case_optimizer", **kwargs):
         if kwargs:
             raise TapehookError(
                 f"CaseOptimizer does not take {sorted(kwargs)}: set clipping, weight "
-                f"decay, EMA and loss scaling on the optimizers it combines")
+                f"decay, EMA and loss scaling on the optimizers it combines"
+            )
         pairs, default, marks_form = self._parse(optimizers, default_optimizer)
         super().__init__(learning_rate=0.0, name=name)
         # Attributes, so that tf.train.Checkpoint and .keras saving track them.
@@ -239,20 +279,25 @@ class CaseOptimizer(keras.optimizers.Optimizer):
     @staticmethod
     def _parse(optimizers, default_optimizer):
         """(pairs, default, whether routing follows tapehook's marks)."""
-        marks_form = len(optimizers) == 2 and default_optimizer is None and not any(
-            isinstance(o, tuple) for o in optimizers)
+        marks_form = (
+            len(optimizers) == 2
+            and default_optimizer is None
+            and not any(isinstance(o, tuple) for o in optimizers)
+        )
         if marks_form:
             pairs, default_optimizer = [(is_binary_variable, optimizers[0])], optimizers[1]
             names = ["binary optimizer", "default optimizer"]
-        elif optimizers and all(isinstance(p, tuple) and len(p) == 2 and callable(p[0])
-                                for p in optimizers):
+        elif optimizers and all(
+            isinstance(p, tuple) and len(p) == 2 and callable(p[0]) for p in optimizers
+        ):
             pairs = list(optimizers)
             names = [f"optimizer of pair {i}" for i in range(len(pairs))] + ["default_optimizer"]
         else:
             raise TapehookError(
                 "CaseOptimizer takes (binary_optimizer, default_optimizer), e.g. "
                 "CaseOptimizer(tapehook.optimizers.Bop(), keras.optimizers.Adam()), or "
-                "larq's form: (predicate, optimizer) pairs and default_optimizer=...")
+                "larq's form: (predicate, optimizer) pairs and default_optimizer=..."
+            )
         subs = [o for _, o in pairs] + [default_optimizer]
         for optimizer, what in zip(subs, names):
             if optimizer is not None or marks_form:
@@ -286,8 +331,10 @@ class CaseOptimizer(keras.optimizers.Optimizer):
 
     def _learning_rate_owner(self):
         if self.default_optimizer is None:
-            raise TapehookError("this CaseOptimizer has no default optimizer, hence no "
-                                "learning rate; set it on the optimizers it combines")
+            raise TapehookError(
+                "this CaseOptimizer has no default optimizer, hence no "
+                "learning rate; set it on the optimizers it combines"
+            )
         return self.default_optimizer
 
     @property
@@ -307,13 +354,15 @@ class CaseOptimizer(keras.optimizers.Optimizer):
                 raise TapehookError(
                     f"variable {_name(var)!r} is not in the routing this CaseOptimizer was "
                     f"saved with (predicates are not saved, each variable's optimizer is); "
-                    f"build it for the model it was saved with, or create a new one")
+                    f"build it for the model it was saved with, or create a new one"
+                )
             return self._routing_by_path[_name(var)]
         claims = [i for i, (predicate, _) in enumerate(self._pairs) if predicate(var)]
         if len(claims) > 1:
             raise TapehookError(
                 f"variable {_name(var)!r} is claimed by the predicates of pairs {claims}; "
-                f"make the predicates exclusive")
+                f"make the predicates exclusive"
+            )
         if claims:
             return claims[0]
         return len(self._pairs) if self.default_optimizer is not None else None
@@ -331,16 +380,23 @@ class CaseOptimizer(keras.optimizers.Optimizer):
                 groups[index].append(var)
         for index, (_, optimizer) in enumerate(self._pairs):
             if not groups[index] and self._routing_by_path is None:
-                what = ("no variable is marked binary" if self._marks_form
-                        else f"the predicate of pair {index} claims no variable")
+                what = (
+                    "no variable is marked binary"
+                    if self._marks_form
+                    else f"the predicate of pair {index} claims no variable"
+                )
                 raise TapehookError(
                     f"CaseOptimizer: {what}, so {optimizer.name} would train nothing; "
                     f"binarize or mark the model before its first training step "
-                    f"(routing is decided when the optimizer is built)")
+                    f"(routing is decided when the optimizer is built)"
+                )
         untrained = [_name(v) for v in variables if routing[self._var_key(v)] is None]
         if untrained:
-            warnings.warn(f"CaseOptimizer: no predicate claims {untrained} and there is no "
-                          f"default_optimizer, so they are not trained", stacklevel=2)
+            warnings.warn(
+                f"CaseOptimizer: no predicate claims {untrained} and there is no "
+                f"default_optimizer, so they are not trained",
+                stacklevel=2,
+            )
         object.__setattr__(self, "_routing", routing)
         object.__setattr__(self, "_paths", {self._var_key(v): _name(v) for v in variables})
         for optimizer, group in zip(self.optimizers, groups):
@@ -357,20 +413,27 @@ class CaseOptimizer(keras.optimizers.Optimizer):
                 raise TapehookError(
                     f"variable {_name(var)!r} was not among the variables this "
                     f"CaseOptimizer was built with; create a new optimizer for a new "
-                    f"set of variables")
-            if (self._marks_form and self._routing_by_path is None
-                    and self._routing[key] != self._route(var)):
+                    f"set of variables"
+                )
+            if (
+                self._marks_form
+                and self._routing_by_path is None
+                and self._routing[key] != self._route(var)
+            ):
                 now = "binary" if is_binary_variable(var) else "float"
                 raise TapehookError(
                     f"variable {_name(var)!r} became {now} after the CaseOptimizer was "
                     f"built (routing is decided at build); mark or unmark variables "
-                    f"before training starts, or compile with a new CaseOptimizer")
+                    f"before training starts, or compile with a new CaseOptimizer"
+                )
 
     def apply(self, grads, trainable_variables=None):
         if trainable_variables is None:
             if not self.built:
-                raise TapehookError("CaseOptimizer.apply without variables needs a built "
-                                    "optimizer; call build(variables) first")
+                raise TapehookError(
+                    "CaseOptimizer.apply without variables needs a built "
+                    "optimizer; call build(variables) first"
+                )
             trainable_variables = self._trainable_variables
         trainable_variables = list(trainable_variables)
         grads = list(grads)
@@ -397,8 +460,12 @@ class CaseOptimizer(keras.optimizers.Optimizer):
         var_list = list(var_list)
         for index, optimizer in enumerate(self.optimizers):
             optimizer.finalize_variable_values(
-                [v for v in var_list if self._routing and
-                 self._routing.get(self._var_key(v)) == index])
+                [
+                    v
+                    for v in var_list
+                    if self._routing and self._routing.get(self._var_key(v)) == index
+                ]
+            )
 
     # ---- serialization ----
 
@@ -418,28 +485,35 @@ class CaseOptimizer(keras.optimizers.Optimizer):
                     raise TapehookError(
                         f"two variables named {self._paths[key]!r} go to different "
                         f"optimizers, so the routing cannot be saved by name; give the "
-                        f"variables distinct names")
+                        f"variables distinct names"
+                    )
         else:
             raise TapehookError(
                 "a CaseOptimizer with custom predicates can only be serialized once "
                 "built (predicates are not serializable; the routing of each variable "
-                "is saved instead); train a step or call build(variables) first")
+                "is saved instead); train a step or call build(variables) first"
+            )
         config["optimizers"] = [serialize(o) for _, o in self._pairs]
-        config["default_optimizer"] = (serialize(self.default_optimizer)
-                                       if self.default_optimizer is not None else None)
+        config["default_optimizer"] = (
+            serialize(self.default_optimizer) if self.default_optimizer is not None else None
+        )
         config["routing"] = routing
         return config
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         def load(value):
-            return (keras.saving.deserialize_keras_object(value, custom_objects=custom_objects)
-                    if value is not None else None)
+            return (
+                keras.saving.deserialize_keras_object(value, custom_objects=custom_objects)
+                if value is not None
+                else None
+            )
 
         if "binary" in config:
             return cls(load(config["binary"]), load(config["default"]), name=config["name"])
         pairs = [(lambda _: False, load(o)) for o in config["optimizers"]]
-        optimizer = cls(*pairs, default_optimizer=load(config["default_optimizer"]),
-                        name=config["name"])
+        optimizer = cls(
+            *pairs, default_optimizer=load(config["default_optimizer"]), name=config["name"]
+        )
         object.__setattr__(optimizer, "_routing_by_path", dict(config["routing"]))
         return optimizer

@@ -74,7 +74,8 @@ def _per_input(grads, op_type, num_inputs) -> list:
         raise TapehookError(
             f"the override_gradient function for {op_type} returned {len(grads)} "
             f"gradients for an op with {num_inputs} inputs; return one (or None) "
-            f"per input")
+            f"per input"
+        )
     return grads
 
 
@@ -109,6 +110,7 @@ def _graph_gradient(grad_fn, op_type):
     def gradient(op, *grads):
         view = op if op.type == op_type else _AsConv2D(op)
         return _per_input(grad_fn(view, *grads), op_type, len(op.inputs))
+
     return gradient
 
 
@@ -126,7 +128,8 @@ def _on_op(op_type, inputs, attrs, outputs, op_name=None, graph=None):
             _record(op_type, grad_fn, inputs, attrs, outputs)
     else:
         graph.get_operation_by_name(op_name)._gradient_function = _graph_gradient(
-            grad_fn, recorded_as)
+            grad_fn, recorded_as
+        )
     return None
 
 
@@ -159,12 +162,13 @@ class override_gradient(contextlib.ContextDecorator):  # noqa: N801 (used like a
     def __init__(self, op_type: str, grad_fn):
         if not isinstance(op_type, str) or not op_type:
             raise TapehookError(
-                f"override_gradient needs an op type name such as 'Relu', got "
-                f"{op_type!r}")
+                f"override_gradient needs an op type name such as 'Relu', got {op_type!r}"
+            )
         if not callable(grad_fn):
             raise TapehookError(
                 f"override_gradient({op_type!r}, grad_fn): grad_fn must be callable "
-                f"as grad_fn(op, *grads), got {type(grad_fn).__name__}")
+                f"as grad_fn(op, *grads), got {type(grad_fn).__name__}"
+            )
         self.op_type = op_type
         self.grad_fn = grad_fn
 

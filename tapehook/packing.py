@@ -24,7 +24,7 @@ from tapehook import kernels
 class PackedInput:
     """The bits a binary conv's backward needs from its input x."""
 
-    packed: tf.Tensor   # uint8 [..., ceil(channels / 4)]
+    packed: tf.Tensor  # uint8 [..., ceil(channels / 4)]
     channels: int
     dtype: tf.DType
 
@@ -36,12 +36,16 @@ class PackedInput:
     def unpack(self):
         """(sign(x) as +-1, 1{|x| <= clip}) in x's dtype."""
         return kernels.library().tapehook_unpack_input(
-            self.packed, channels=self.channels, T=self.dtype)
+            self.packed, channels=self.channels, T=self.dtype
+        )
 
 
 def packable(x, spec) -> bool:
-    return (spec.activation_estimator == "ste_sign" and x.shape[-1] is not None
-            and os.environ.get("TAPEHOOK_PACK_INPUTS", "1") != "0")
+    return (
+        spec.activation_estimator == "ste_sign"
+        and x.shape[-1] is not None
+        and os.environ.get("TAPEHOOK_PACK_INPUTS", "1") != "0"
+    )
 
 
 def pack_input(x, spec) -> PackedInput:

@@ -39,8 +39,14 @@ import tensorflow as tf
 import wrapt
 
 from tapehook import compat, gradient, interpose, kernels, marks, models, override, registry
-from tapehook.compat import (gen_array_ops, gen_math_ops, gen_nn_ops, nn_impl, nn_ops,
-                             resource_variable_ops)
+from tapehook.compat import (
+    gen_array_ops,
+    gen_math_ops,
+    gen_nn_ops,
+    nn_impl,
+    nn_ops,
+    resource_variable_ops,
+)
 from tapehook.errors import TapehookError
 
 _applied = []  # (owner, attribute name, original), in order of application
@@ -85,23 +91,25 @@ def _on_marked_operand(index, name, binary, mark=True, left=None):
     """Wrapper: calls with a marked operand ``name`` (positional ``index``) go
     to ``binary(spec, **arguments)``; a None from it means "TF's own function
     runs". ``left``: (index, name) of an operand that must not be marked."""
+
     def wrapper(wrapped, instance, args, kwargs):
         operand = _operand(args, kwargs, index, name)
         spec = marks.spec_for_use(operand, mark=mark)
         if spec is None and mark and models.layer_stack():
             spec = models.spec_for_layer_filter(marks.source_variable(operand))
         if spec is None:
-            if left is not None and marks.binary_spec_of(
-                    _operand(args, kwargs, *left)) is not None:
+            if left is not None and marks.binary_spec_of(_operand(args, kwargs, *left)) is not None:
                 raise TapehookError(
                     "a marked binary kernel is the left operand of a MatMul; binary "
-                    "Dense supports x @ W with the marked W on the right")
+                    "Dense supports x @ W with the marked W on the right"
+                )
             return wrapped(*args, **kwargs)
         arguments = _bind(wrapped, args, kwargs)
         if arguments is None:
             return wrapped(*args, **kwargs)
         result = binary(spec, **arguments)
         return wrapped(*args, **kwargs) if result is None else result
+
     return wrapper
 
 
@@ -115,12 +123,14 @@ def _tagging_read(wrapped, instance, args, kwargs):
 
 def _tag_passing(name):
     """Wrapper of an op whose output holds the same values as its input ``name``."""
+
     def wrapper(wrapped, instance, args, kwargs):
         result = wrapped(*args, **kwargs)
         source = marks.source_variable(_operand(args, kwargs, 0, name))
         if source is not None:
             marks.tag(result, source)
         return result
+
     return wrapper
 
 
@@ -147,8 +157,11 @@ def _config_with_spec(wrapped, instance, args, kwargs):
 
 def _layer_from_config(wrapped, instance, args, kwargs):
     arguments = _bind(wrapped, args, kwargs)
-    if arguments is None or not isinstance(arguments.get("config"), dict) or (
-            models.CONFIG_KEY not in arguments["config"]):
+    if (
+        arguments is None
+        or not isinstance(arguments.get("config"), dict)
+        or (models.CONFIG_KEY not in arguments["config"])
+    ):
         return wrapped(*args, **kwargs)
     config = dict(arguments.pop("config"))
     saved = config.pop(models.CONFIG_KEY)
@@ -171,8 +184,10 @@ def _install_keras_config() -> None:
     keras = _keras()
     if keras is None:
         return
-    configured = {next(c for c in layer.__mro__ if "get_config" in vars(c))
-                  for layer in models.binarizable_types()}
+    configured = {
+        next(c for c in layer.__mro__ if "get_config" in vars(c))
+        for layer in models.binarizable_types()
+    }
     for owner in sorted(configured, key=lambda c: c.__name__):
         _wrap(owner, "get_config", _config_with_spec)
         _wrap(owner, "from_config", _layer_from_config)
@@ -189,22 +204,33 @@ def _wrap_with_v1_name(owner, name, wrapper):
 def _install_hot() -> None:
     """The wrappers on the path of every op, applied when the process is armed."""
     _wrap(gen_nn_ops, "conv2d", _on_marked_operand(1, "filter", interpose.conv2d_call))
-    _wrap(nn_ops, "convolution_internal", _on_marked_operand(
-        1, "filters", interpose.convolution_internal, mark=False))
-    _wrap_with_v1_name(nn_impl, "depthwise_conv2d", _on_marked_operand(
-        1, "filter", interpose.depthwise_conv2d, mark=False))
-    _wrap_with_v1_name(nn_impl, "separable_conv2d", _on_marked_operand(
-        1, "depthwise_filter", interpose.separable_conv2d, mark=False))
+    _wrap(
+        nn_ops,
+        "convolution_internal",
+        _on_marked_operand(1, "filters", interpose.convolution_internal, mark=False),
+    )
+    _wrap_with_v1_name(
+        nn_impl,
+        "depthwise_conv2d",
+        _on_marked_operand(1, "filter", interpose.depthwise_conv2d, mark=False),
+    )
+    _wrap_with_v1_name(
+        nn_impl,
+        "separable_conv2d",
+        _on_marked_operand(1, "depthwise_filter", interpose.separable_conv2d, mark=False),
+    )
     _wrap(resource_variable_ops.BaseResourceVariable, "_read_variable_op", _tagging_read)
     _wrap(gen_array_ops, "identity", _tag_passing("input"))
     _wrap(gen_array_ops, "expand_dims", _tag_passing("input"))
     _wrap(gen_math_ops, "cast", _tag_passing("x"))
-    _wrap(gen_math_ops, "mat_mul", _on_marked_operand(
-        1, "b", interpose.mat_mul, left=(0, "a")))
+    _wrap(gen_math_ops, "mat_mul", _on_marked_operand(1, "b", interpose.mat_mul, left=(0, "a")))
     for version in ("batch_mat_mul_v2", "batch_mat_mul_v3"):
         _wrap(gen_math_ops, version, _on_marked_operand(1, "y", interpose.batch_mat_mul))
-    _wrap(gen_nn_ops, "depthwise_conv2d_native", _on_marked_operand(
-        1, "filter", interpose.depthwise_conv2d_native))
+    _wrap(
+        gen_nn_ops,
+        "depthwise_conv2d_native",
+        _on_marked_operand(1, "filter", interpose.depthwise_conv2d_native),
+    )
     keras = _keras()
     if keras is not None:
         _wrap(keras.Layer, "__call__", _tracked_layer_call)
@@ -232,8 +258,7 @@ def _apply(step) -> None:
 
 def _install_base() -> None:
     registry.register_gradient(kernels.BINARY_OP, gradient.binary_conv2d_op_grad)
-    _applied.append((registry, "Conv2D", registry.swap_gradient("Conv2D",
-                                                                gradient.conv2d_grad)))
+    _applied.append((registry, "Conv2D", registry.swap_gradient("Conv2D", gradient.conv2d_grad)))
     # Tapes in graphs record after op callbacks run; override.py picks the
     # gradient of op types overridden on this thread at recording time.
     _wrap(compat.execute, "record_gradient", override.recording_with_overrides)
@@ -280,5 +305,4 @@ def installed() -> bool:
 
 def patched_functions():
     """(owner, attribute name) of every wrapped function, for tests and docs."""
-    return [(owner, name) for owner, name, _ in _applied
-            if owner not in (registry, compat)]
+    return [(owner, name) for owner, name, _ in _applied if owner not in (registry, compat)]

@@ -79,8 +79,7 @@ def float_conv2d(x, w, strides, padding, explicit_paddings, dilations):
         p = list(explicit_paddings)
         x = tf.pad(x, [p[0:2], p[2:4], p[4:6], p[6:8]])
         padding = "VALID"
-    return tf.nn.convolution(x, w, strides=strides[1:3], padding=padding,
-                             dilations=dilations[1:3])
+    return tf.nn.convolution(x, w, strides=strides[1:3], padding=padding, dilations=dilations[1:3])
 
 
 def _masked(grad, name, t, clip, beta):
@@ -141,15 +140,31 @@ def pad_input(x, w_shape, strides, padding, explicit_paddings, dilations, pad_va
         amounts = [[0, 0]]
         for axis in (1, 2):
             size = x.shape[axis] if x.shape[axis] is not None else tf.shape(x)[axis]
-            amounts.append(list(same_padding(size, int(w_shape[axis - 1]),
-                                             int(strides[axis]), int(dilations[axis]))))
+            amounts.append(
+                list(
+                    same_padding(
+                        size, int(w_shape[axis - 1]), int(strides[axis]), int(dilations[axis])
+                    )
+                )
+            )
         amounts.append([0, 0])
     return tf.pad(x, amounts, constant_values=tf.cast(pad_value, x.dtype)), "VALID", []
 
 
-def binary_conv2d_backward(x, w, dy, spec, strides, padding, explicit_paddings,
-                           dilations, need_dx=True, need_dw=True, w_parts=None,
-                           input_mask=None):
+def binary_conv2d_backward(
+    x,
+    w,
+    dy,
+    spec,
+    strides,
+    padding,
+    explicit_paddings,
+    dilations,
+    need_dx=True,
+    need_dw=True,
+    w_parts=None,
+    input_mask=None,
+):
     """(dX, dW) of the binary conv from stock conv gradients; None where not needed.
 
     dX = conv2d_backprop_input(alpha sign W, dY) [* e'(x)] and
@@ -170,14 +185,26 @@ def binary_conv2d_backward(x, w, dy, spec, strides, padding, explicit_paddings,
             y = float_conv2d(x_hat, w_hat, strides, padding, explicit_paddings, dilations)
         dx, dw = tape.gradient(y, [x_hat, w_hat], output_gradients=dy)
     else:
-        attrs = dict(strides=list(strides), padding=padding, data_format="NHWC",
-                     explicit_paddings=list(explicit_paddings or []))
-        dx = tf.raw_ops.Conv2DBackpropInput(
-            input_sizes=tf.shape(x), filter=w_hat, out_backprop=dy,
-            **attrs) if need_dx else None
-        dw = tf.raw_ops.Conv2DBackpropFilter(
-            input=x_hat, filter_sizes=tf.shape(w), out_backprop=dy,
-            **attrs) if need_dw else None
+        attrs = dict(
+            strides=list(strides),
+            padding=padding,
+            data_format="NHWC",
+            explicit_paddings=list(explicit_paddings or []),
+        )
+        dx = (
+            tf.raw_ops.Conv2DBackpropInput(
+                input_sizes=tf.shape(x), filter=w_hat, out_backprop=dy, **attrs
+            )
+            if need_dx
+            else None
+        )
+        dw = (
+            tf.raw_ops.Conv2DBackpropFilter(
+                input=x_hat, filter_sizes=tf.shape(w), out_backprop=dy, **attrs
+            )
+            if need_dw
+            else None
+        )
     if dx is not None and need_dx:
         dx = mask_input_grad(dx, x, spec) if input_mask is None else dx * input_mask
     if dw is not None and need_dw:
@@ -192,16 +219,25 @@ def _forward(x_hat, w_sign, a, spec, strides, padding, explicit_paddings, dilati
     return y * a if spec.scale else y
 
 
-def binary_conv2d(x, w, spec, strides=(1, 1, 1, 1), padding="SAME",
-                  explicit_paddings=(), dilations=(1, 1, 1, 1), on_backward=None):
+def binary_conv2d(
+    x,
+    w,
+    spec,
+    strides=(1, 1, 1, 1),
+    padding="SAME",
+    explicit_paddings=(),
+    dilations=(1, 1, 1, 1),
+    on_backward=None,
+):
     """Binary conv forward with the reference backward as its gradient.
 
     ``on_backward`` (optional) is called whenever the backward is built.
     """
     strides, dilations = list(strides), list(dilations)
     if spec.pad_value and padding != "VALID":
-        x, padding, explicit_paddings = pad_input(x, w.shape, strides, padding,
-                                                  explicit_paddings, dilations, spec.pad_value)
+        x, padding, explicit_paddings = pad_input(
+            x, w.shape, strides, padding, explicit_paddings, dilations, spec.pad_value
+        )
 
     @tf.custom_gradient
     def conv(x, w):
@@ -210,18 +246,19 @@ def binary_conv2d(x, w, spec, strides=(1, 1, 1, 1), padding="SAME",
         a = alpha(w, spec.scale)
         if spec.activation_estimator and spec.weights:
             w_parts = (None, a)
-            y = _forward(sign(x), sign(w), a, spec, strides, padding,
-                         explicit_paddings, dilations)
+            y = _forward(sign(x), sign(w), a, spec, strides, padding, explicit_paddings, dilations)
         else:
             w_parts = (weight_hat(w, a, spec), a)
-            y = float_conv2d(binarize_input(x, spec), w_parts[0], strides, padding,
-                             explicit_paddings, dilations)
+            y = float_conv2d(
+                binarize_input(x, spec), w_parts[0], strides, padding, explicit_paddings, dilations
+            )
 
         def grad(dy):
             if on_backward is not None:
                 on_backward()
-            return binary_conv2d_backward(x, w, dy, spec, strides, padding,
-                                          explicit_paddings, dilations, w_parts=w_parts)
+            return binary_conv2d_backward(
+                x, w, dy, spec, strides, padding, explicit_paddings, dilations, w_parts=w_parts
+            )
 
         return y, grad
 
@@ -230,12 +267,14 @@ def binary_conv2d(x, w, spec, strides=(1, 1, 1, 1), padding="SAME",
 
 def _custom_binary(forward, backward, x, w, on_backward=None):
     """tf.custom_gradient of ``forward(x, w)`` with ``backward(x, w, dy)``."""
+
     @tf.custom_gradient
     def op(x, w):
         def grad(dy):
             if on_backward is not None:
                 on_backward()
             return backward(x, w, dy)
+
         return forward(x, w), grad
 
     return op(x, w)
@@ -247,6 +286,7 @@ def binary_matmul(x, w, spec, on_backward=None):
     dX = (dY @ (alpha sign W)^T) [* e'(x)], dW = (x_hat^T dY) * alpha * e'(W),
     for x of any rank >= 2 (leading axes are batch axes) and a 2-D W.
     """
+
     def forward(x, w):
         y = tf.linalg.matmul(binarize_input(x, spec), sign(w) if spec.weights else float_kernel(w))
         return y * alpha_dense(w, spec.scale) if spec.scale else y
@@ -287,19 +327,22 @@ def _depthwise_float(x, w, strides, padding, explicit_paddings, dilations):
         padding = "VALID"
     if any(d != 1 for d in dilations):
         return tf.nn.depthwise_conv2d(x, w, strides, padding, dilations=dilations[1:3])
-    return tf.raw_ops.DepthwiseConv2dNative(input=x, filter=w, strides=strides,
-                                            padding=padding, data_format="NHWC")
+    return tf.raw_ops.DepthwiseConv2dNative(
+        input=x, filter=w, strides=strides, padding=padding, data_format="NHWC"
+    )
 
 
-def binary_depthwise_conv2d(x, w, spec, strides, padding, explicit_paddings=(),
-                            dilations=(1, 1, 1, 1), on_backward=None):
+def binary_depthwise_conv2d(
+    x, w, spec, strides, padding, explicit_paddings=(), dilations=(1, 1, 1, 1), on_backward=None
+):
     """Binary DepthwiseConv2dNative (NHWC): depthwise(x_hat, sign W) * alpha,
     alpha per output channel (c, m); same estimator masks as the conv."""
     strides, dilations = list(strides), list(dilations)
     explicit_paddings = list(explicit_paddings or [])
     if spec.pad_value and padding != "VALID":
-        x, padding, explicit_paddings = pad_input(x, w.shape, strides, padding,
-                                                  explicit_paddings, dilations, spec.pad_value)
+        x, padding, explicit_paddings = pad_input(
+            x, w.shape, strides, padding, explicit_paddings, dilations, spec.pad_value
+        )
     dilated = any(d != 1 for d in dilations)
     conv = (strides, padding, explicit_paddings, dilations)
 
@@ -318,12 +361,18 @@ def binary_depthwise_conv2d(x, w, spec, strides, padding, explicit_paddings=(),
                 y = _depthwise_float(x_hat, w_sign, *conv)
             dx, dw = tape.gradient(y, [x_hat, w_sign], output_gradients=dy_scaled)
         else:
-            attrs = dict(strides=strides, padding=padding, data_format="NHWC",
-                         explicit_paddings=explicit_paddings)
+            attrs = dict(
+                strides=strides,
+                padding=padding,
+                data_format="NHWC",
+                explicit_paddings=explicit_paddings,
+            )
             dx = tf.raw_ops.DepthwiseConv2dNativeBackpropInput(
-                input_sizes=tf.shape(x), filter=w_sign, out_backprop=dy_scaled, **attrs)
+                input_sizes=tf.shape(x), filter=w_sign, out_backprop=dy_scaled, **attrs
+            )
             dw = tf.raw_ops.DepthwiseConv2dNativeBackpropFilter(
-                input=x_hat, filter_sizes=tf.shape(w), out_backprop=dy_scaled, **attrs)
+                input=x_hat, filter_sizes=tf.shape(w), out_backprop=dy_scaled, **attrs
+            )
         dx = mask_input_grad(dx, x, spec)
         return dx, (_masked(dw, spec.ste, w, spec.clip, spec.beta) if spec.weights else dw)
 

@@ -10,9 +10,18 @@ from tapehook.spec import SAME_AS_CLIP
 
 
 @contextlib.contextmanager
-def binary_scope(*, variables=None, activations=False, scale=None,
-                 ste="ste_sign", clip=1.0, pad_value=0.0, weights=True, beta=5.0,
-                 activation_clip=SAME_AS_CLIP):
+def binary_scope(
+    *,
+    variables=None,
+    activations=False,
+    scale=None,
+    ste="ste_sign",
+    clip=1.0,
+    pad_value=0.0,
+    weights=True,
+    beta=5.0,
+    activation_clip=SAME_AS_CLIP,
+):
     """Marks binary every variable created inside the block that can be a
     kernel (2-D Dense, 3-D Conv1D, 4-D Conv2D / DepthwiseConv2D; floating
     point) and every variable used inside it as a kernel. ``variables=[...]``
@@ -21,9 +30,18 @@ def binary_scope(*, variables=None, activations=False, scale=None,
     Marks persist after the block. Scopes nest (the innermost spec marks) and
     are per thread. Leaving by exception restores the scope state.
     """
-    spec = marks.make_spec(dict(activations=activations, scale=scale, ste=ste, clip=clip,
-                                pad_value=pad_value, weights=weights, beta=beta,
-                                activation_clip=activation_clip))
+    spec = marks.make_spec(
+        dict(
+            activations=activations,
+            scale=scale,
+            ste=ste,
+            clip=clip,
+            pad_value=pad_value,
+            weights=weights,
+            beta=beta,
+            activation_clip=activation_clip,
+        )
+    )
     allowed = None
     if variables is not None:
         handles = []  # kept alive by this closure, so their ids stay unique
@@ -31,8 +49,8 @@ def binary_scope(*, variables=None, activations=False, scale=None,
             comps = marks.components(var)
             if comps is None:
                 raise TapehookError(
-                    f"binary_scope(variables=...) takes variables, got "
-                    f"{type(var).__name__}")
+                    f"binary_scope(variables=...) takes variables, got {type(var).__name__}"
+                )
             handles.extend(c.handle for c in comps)
         ids = {id(h) for h in handles}
 

@@ -2,7 +2,6 @@
 
 import dataclasses
 import struct
-from typing import Optional, Union
 
 import numpy as np
 
@@ -12,8 +11,7 @@ from tapehook.errors import TapehookError
 ESTIMATORS = ("ste_sign", "approx_sign", "swish_sign")
 SCALES = (None, "mean_abs")
 PAD_VALUES = (0.0, 1.0)
-FIELDS = ("activations", "scale", "ste", "clip", "pad_value", "weights", "beta",
-          "activation_clip")
+FIELDS = ("activations", "scale", "ste", "clip", "pad_value", "weights", "beta", "activation_clip")
 
 
 class _SameAsClip:
@@ -51,8 +49,10 @@ def _clip_attrs(name, clip) -> dict:
     """A clip as two op attrs: float32 rounded toward zero (exact for half /
     bfloat16 / float32 inputs, see clip_threshold) and the double's bits for
     float64 inputs; no mask (None) is +inf."""
-    return {name: clip_threshold(clip, float64=False),
-            f"{name}_f64_bits": float64_bits(clip_threshold(clip, float64=True))}
+    return {
+        name: clip_threshold(clip, float64=False),
+        f"{name}_f64_bits": float64_bits(clip_threshold(clip, float64=True)),
+    }
 
 
 def float64_bits(value: float) -> int:
@@ -86,27 +86,26 @@ class BinarySpec:
     - ``activation_clip``: ``ste_sign``'s clip for the input (default: clip).
     """
 
-    activations: Union[bool, str] = False
-    scale: Optional[str] = None
+    activations: bool | str = False
+    scale: str | None = None
     ste: str = "ste_sign"
-    clip: Optional[float] = 1.0
+    clip: float | None = 1.0
     pad_value: float = 0.0
     weights: bool = True
     beta: float = 5.0
-    activation_clip: Optional[float] = SAME_AS_CLIP
+    activation_clip: float | None = SAME_AS_CLIP
 
     def __post_init__(self):
         if self.ste not in ESTIMATORS:
-            raise TapehookError(
-                f"unknown estimator ste={self.ste!r}; use one of {ESTIMATORS}")
+            raise TapehookError(f"unknown estimator ste={self.ste!r}; use one of {ESTIMATORS}")
         if self.scale not in SCALES:
-            raise TapehookError(
-                f"unknown scale={self.scale!r}; use None or 'mean_abs'")
+            raise TapehookError(f"unknown scale={self.scale!r}; use None or 'mean_abs'")
         if not isinstance(self.activations, bool) and self.activations not in ESTIMATORS:
             raise TapehookError(
                 f"activations={self.activations!r} is not supported; use False "
                 f"(float input), True (same estimator as the weights) or one "
-                f"of {ESTIMATORS}")
+                f"of {ESTIMATORS}"
+            )
         if self.activation_clip is SAME_AS_CLIP:
             object.__setattr__(self, "activation_clip", self.clip)
         for name in ("clip", "activation_clip"):
@@ -115,33 +114,40 @@ class BinarySpec:
                 continue
             if isinstance(value, bool) or not _is_number(value) or not value > 0:
                 raise TapehookError(
-                    f"{name} must be > 0: a positive number, or None for no mask; got "
-                    f"{value!r}")
+                    f"{name} must be > 0: a positive number, or None for no mask; got {value!r}"
+                )
             object.__setattr__(self, name, float(value))
-        if (isinstance(self.pad_value, bool) or not _is_number(self.pad_value)
-                or float(self.pad_value) not in PAD_VALUES):
+        if (
+            isinstance(self.pad_value, bool)
+            or not _is_number(self.pad_value)
+            or float(self.pad_value) not in PAD_VALUES
+        ):
             raise TapehookError(
                 f"pad_value must be 0.0 (zero padding) or 1.0 (one padding, larq's "
-                f"pad_values=1.0), got {self.pad_value!r}")
+                f"pad_values=1.0), got {self.pad_value!r}"
+            )
         object.__setattr__(self, "pad_value", float(self.pad_value))
         if isinstance(self.beta, bool) or not _is_number(self.beta) or not self.beta > 0:
-            raise TapehookError(f"beta (swish_sign's) must be a number > 0, got "
-                                f"{self.beta!r}")
+            raise TapehookError(f"beta (swish_sign's) must be a number > 0, got {self.beta!r}")
         object.__setattr__(self, "beta", float(self.beta))
         if not isinstance(self.weights, bool):
-            raise TapehookError(f"weights must be True (binary) or False (float "
-                                f"kernel, binary input), got {self.weights!r}")
+            raise TapehookError(
+                f"weights must be True (binary) or False (float "
+                f"kernel, binary input), got {self.weights!r}"
+            )
         if not self.weights and not self.activation_estimator:
             raise TapehookError(
                 "weights=False keeps the kernel float, so the input must be binary: "
-                "pass activations=True (or an estimator name), or weights=True")
+                "pass activations=True (or an estimator name), or weights=True"
+            )
         if not self.weights and self.scale is not None:
             raise TapehookError(
                 f"scale={self.scale!r} scales binarized weights; with weights=False "
-                f"the kernel stays float: use scale=None")
+                f"the kernel stays float: use scale=None"
+            )
 
     @property
-    def activation_estimator(self) -> Optional[str]:
+    def activation_estimator(self) -> str | None:
         """Estimator for the conv input, or None when the input stays float."""
         if self.activations is True:
             return self.ste
@@ -159,12 +165,14 @@ class BinarySpec:
             "scale": self.scale or "none",
             "weight_estimator": self.ste,
             "activation_estimator": self.activation_estimator or "none",
-            **_clip_attrs("clip", self.activation_clip if op == "backprop_input"
-                          else self.clip),
+            **_clip_attrs("clip", self.activation_clip if op == "backprop_input" else self.clip),
         }
         if op == "forward":
-            attrs.update(_clip_attrs("activation_clip", self.activation_clip),
-                         beta=self.beta, pad_value=self.pad_value)
+            attrs.update(
+                _clip_attrs("activation_clip", self.activation_clip),
+                beta=self.beta,
+                pad_value=self.pad_value,
+            )
         return attrs
 
     def pack_attrs(self) -> dict:
@@ -178,6 +186,7 @@ class BinarySpec:
     @classmethod
     def from_op_attrs(cls, get_attr) -> "BinarySpec":
         """Inverse of ``op_attrs``, reading attrs through ``get_attr(name)``."""
+
         def text(name):
             value = get_attr(name)
             return value.decode() if isinstance(value, bytes) else value
@@ -191,6 +200,7 @@ class BinarySpec:
         ste = text("weight_estimator")
         act = text("activation_estimator")
         scale = text("scale")
+
         def clip(name):
             bits = optional(f"{name}_f64_bits", 0)
             value = float64_from_bits(bits) if bits else optional(name, -1.0)

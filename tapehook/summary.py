@@ -14,25 +14,56 @@ class ModelSummary:
     totals: dict
 
     def __str__(self):
-        header = ("layer", "type", "binary", "spec", "params", "mem 32-bit",
-                  "mem binarized", "binary MACs", "float MACs")
+        header = (
+            "layer",
+            "type",
+            "binary",
+            "spec",
+            "params",
+            "mem 32-bit",
+            "mem binarized",
+            "binary MACs",
+            "float MACs",
+        )
         lines = [header] + [
-            (r["name"], r["type"], "yes" if r["binary"] else "no", r["spec"],
-             f"{r['params']:,}", _bytes(r["float32_bytes"]), _bytes(r["binarized_bytes"]),
-             _count(r["binary_macs"]), _count(r["float_macs"])) for r in self.rows]
+            (
+                r["name"],
+                r["type"],
+                "yes" if r["binary"] else "no",
+                r["spec"],
+                f"{r['params']:,}",
+                _bytes(r["float32_bytes"]),
+                _bytes(r["binarized_bytes"]),
+                _count(r["binary_macs"]),
+                _count(r["float_macs"]),
+            )
+            for r in self.rows
+        ]
         t = self.totals
-        lines.append(("total", "", f"{t['binary_layers']} layers", "", f"{t['params']:,}",
-                      _bytes(t["float32_bytes"]), _bytes(t["binarized_bytes"]),
-                      _count(t["binary_macs"]), _count(t["float_macs"])))
+        lines.append(
+            (
+                "total",
+                "",
+                f"{t['binary_layers']} layers",
+                "",
+                f"{t['params']:,}",
+                _bytes(t["float32_bytes"]),
+                _bytes(t["binarized_bytes"]),
+                _count(t["binary_macs"]),
+                _count(t["float_macs"]),
+            )
+        )
         widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
         text = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths)) for line in lines]
         text.insert(1, "  ".join("-" * w for w in widths))
         text.insert(len(text) - 1, text[1])
         ratio = t["float32_bytes"] / max(t["binarized_bytes"], 1)
-        text.append(f"binary params: {t['binary_params']:,} of {t['params']:,}; "
-                    f"model memory {_bytes(t['float32_bytes'])} at 32 bits, "
-                    f"{_bytes(t['binarized_bytes'])} with 1-bit binary kernels "
-                    f"({ratio:.1f}x smaller); MACs per sample.")
+        text.append(
+            f"binary params: {t['binary_params']:,} of {t['params']:,}; "
+            f"model memory {_bytes(t['float32_bytes'])} at 32 bits, "
+            f"{_bytes(t['binarized_bytes'])} with 1-bit binary kernels "
+            f"({ratio:.1f}x smaller); MACs per sample."
+        )
         return "\n".join(text)
 
 
@@ -58,8 +89,11 @@ def _spec_text(spec):
     if spec.weights and spec.ste == "ste_sign" and spec.clip != 1.0:
         parts.append("clip=none" if spec.clip is None else f"clip={spec.clip:g}")
     if spec.activation_estimator == "ste_sign" and spec.activation_clip != spec.clip:
-        parts.append("act_clip=none" if spec.activation_clip is None
-                     else f"act_clip={spec.activation_clip:g}")
+        parts.append(
+            "act_clip=none"
+            if spec.activation_clip is None
+            else f"act_clip={spec.activation_clip:g}"
+        )
     if "swish_sign" in (spec.ste, spec.activation_estimator) and spec.beta != 5.0:
         parts.append(f"beta={spec.beta:g}")
     if spec.pad_value:
@@ -93,15 +127,30 @@ def summary(model, print_fn=print) -> ModelSummary:
         binary_params = math.prod(kernel.shape) if spec else 0
         alpha_bytes = 4 * kernel.shape[-1] if spec and spec.scale else 0
         macs = _macs(layer)
-        rows.append(dict(
-            name=layer.name, type=type(layer).__name__, binary=spec is not None,
-            spec=_spec_text(spec), params=params, binary_params=binary_params,
-            float32_bytes=4 * params,
-            binarized_bytes=4 * (params - binary_params) + math.ceil(binary_params / 8)
-            + alpha_bytes,
-            binary_macs=macs if spec else 0, float_macs=0 if spec else macs))
-    keys = ("params", "binary_params", "float32_bytes", "binarized_bytes",
-            "binary_macs", "float_macs")
+        rows.append(
+            dict(
+                name=layer.name,
+                type=type(layer).__name__,
+                binary=spec is not None,
+                spec=_spec_text(spec),
+                params=params,
+                binary_params=binary_params,
+                float32_bytes=4 * params,
+                binarized_bytes=4 * (params - binary_params)
+                + math.ceil(binary_params / 8)
+                + alpha_bytes,
+                binary_macs=macs if spec else 0,
+                float_macs=0 if spec else macs,
+            )
+        )
+    keys = (
+        "params",
+        "binary_params",
+        "float32_bytes",
+        "binarized_bytes",
+        "binary_macs",
+        "float_macs",
+    )
     totals = {k: sum(r[k] for r in rows) for k in keys}
     totals["binary_layers"] = sum(r["binary"] for r in rows)
     result = ModelSummary(rows, totals)

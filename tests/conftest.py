@@ -82,8 +82,13 @@ def upstream(y_shape, dtype, seed=1):
 
 def reference_result(x, w, spec, g, **conv):
     """(y, dx, dw) of the reference binary conv, loss = sum(y * g)."""
-    conv = {"strides": [1, 1, 1, 1], "padding": "SAME", "explicit_paddings": [],
-            "dilations": [1, 1, 1, 1], **conv}
+    conv = {
+        "strides": [1, 1, 1, 1],
+        "padding": "SAME",
+        "explicit_paddings": [],
+        "dilations": [1, 1, 1, 1],
+        **conv,
+    }
     with tf.GradientTape() as tape:
         tape.watch([x, w])
         y = reference.binary_conv2d(x, w, spec, **conv)
@@ -94,17 +99,20 @@ def reference_result(x, w, spec, g, **conv):
 
 
 def _conv(x, w, conv):
-    return tf.nn.conv2d(x, w, strides=conv.get("strides", 1),
-                        padding=conv.get("padding", "SAME"),
-                        dilations=conv.get("dilations", 1))
+    return tf.nn.conv2d(
+        x,
+        w,
+        strides=conv.get("strides", 1),
+        padding=conv.get("padding", "SAME"),
+        dilations=conv.get("dilations", 1),
+    )
 
 
 def _loss(y, g):
     return tf.reduce_sum(tf.cast(y, tf.float32) * tf.cast(g, tf.float32))
 
 
-def run_mode(mode, x, w0, g, forward, prepare=lambda w: None, scope=None,
-             loss=_loss):
+def run_mode(mode, x, w0, g, forward, prepare=lambda w: None, scope=None, loss=_loss):
     """(y, dL/dx, dL/dw) for L = loss(forward(x, w), g) with w = tf.Variable(w0)
     passed to ``prepare`` first, in one of the execution modes of MODE_NAMES.
     ``forward`` runs inside ``scope`` (a context manager, entered where the
@@ -118,8 +126,7 @@ def run_mode(mode, x, w0, g, forward, prepare=lambda w: None, scope=None,
             prepare(w)
             xg = tf.constant(np.asarray(x))
             # v1_gradients builds no tape at all: graph gradients only
-            with (tf.GradientTape() if mode == "v1_tape"
-                  else contextlib.nullcontext()) as tape:
+            with tf.GradientTape() if mode == "v1_tape" else contextlib.nullcontext() as tape:
                 if tape is not None:
                     tape.watch(xg)
                 with scope:
@@ -174,13 +181,20 @@ def run_mode(mode, x, w0, g, forward, prepare=lambda w: None, scope=None,
     raise ValueError(f"unknown mode {mode!r}")
 
 
-MODE_NAMES = ("eager", "tape_in_function", "function_under_tape", "nested_functions",
-              "v1_gradients", "v1_tape")
+MODE_NAMES = (
+    "eager",
+    "tape_in_function",
+    "function_under_tape",
+    "nested_functions",
+    "v1_gradients",
+    "v1_tape",
+)
 
 
 def _conv_mode(mode):
     def run(x, w0, g, conv, mark):
         return run_mode(mode, x, w0, g, lambda x, w: _conv(x, w, conv), prepare=mark)
+
     return run
 
 
@@ -194,4 +208,5 @@ def _fresh_state():
     tapehook.reset_dispatch_counts()
     yield
     from tapehook import kernels
+
     kernels.force_reference(False)

@@ -12,10 +12,11 @@ from tensorflow.python.framework import ops
 
 import tapehook
 from tapehook import compat, gradient, kernels, patches, registry
+
 from conftest import assert_close, random_inputs, reference_result, upstream
 
-
 # ---- BinarySpec ----
+
 
 def test_spec_is_immutable_and_comparable():
     a = tapehook.BinarySpec(activations=True, scale="mean_abs", clip=0.5)
@@ -29,20 +30,24 @@ def test_spec_is_immutable_and_comparable():
     assert tapehook.BinarySpec().activation_estimator is None
 
 
-@pytest.mark.parametrize("kwargs,needle", [
-    (dict(ste="sign"), "unknown estimator"),
-    (dict(clip=0), "clip must be > 0"),
-    (dict(clip=-1.0), "clip must be > 0"),
-    (dict(clip="1"), "positive number"),
-    (dict(scale="max"), "unknown scale"),
-    (dict(activations="relu"), "activations="),
-])
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(ste="sign"), "unknown estimator"),
+        (dict(clip=0), "clip must be > 0"),
+        (dict(clip=-1.0), "clip must be > 0"),
+        (dict(clip="1"), "positive number"),
+        (dict(scale="max"), "unknown scale"),
+        (dict(activations="relu"), "activations="),
+    ],
+)
 def test_spec_rejects_bad_values(kwargs, needle):
     with pytest.raises(tapehook.TapehookError, match=needle):
         tapehook.BinarySpec(**kwargs)
 
 
 # ---- marks ----
+
 
 def test_mark_unmark_and_spec_of():
     w = tf.Variable(tf.ones([3, 3, 2, 4]))
@@ -60,13 +65,16 @@ def test_keras_variable_is_accepted():
     assert tapehook.binary_spec_of(kv._value) == tapehook.BinarySpec(activations=True)
 
 
-@pytest.mark.parametrize("obj,needle", [
-    (tf.ones([3, 3, 2, 4]), "needs a tf.Variable"),
-    (np.ones([3, 3, 2, 4]), "needs a tf.Variable"),
-    (tf.Variable(tf.ones([4])), "only kernels can be marked"),
-    (tf.Variable(tf.ones([1, 2, 2, 2, 2])), "only kernels can be marked"),
-    (tf.Variable(tf.ones([3, 3, 2, 4], tf.int32)), "dtype int32"),
-])
+@pytest.mark.parametrize(
+    "obj,needle",
+    [
+        (tf.ones([3, 3, 2, 4]), "needs a tf.Variable"),
+        (np.ones([3, 3, 2, 4]), "needs a tf.Variable"),
+        (tf.Variable(tf.ones([4])), "only kernels can be marked"),
+        (tf.Variable(tf.ones([1, 2, 2, 2, 2])), "only kernels can be marked"),
+        (tf.Variable(tf.ones([3, 3, 2, 4], tf.int32)), "dtype int32"),
+    ],
+)
 def test_mark_rejects_what_cannot_be_a_binary_filter(obj, needle):
     with pytest.raises(tapehook.TapehookError, match=needle):
         tapehook.mark_binary(obj)
@@ -103,6 +111,7 @@ def test_marks_persist_until_unmarked():
 
 
 # ---- scopes ----
+
 
 def test_scope_marks_created_and_used_variables():
     used = tf.Variable(tf.ones([3, 3, 2, 2]))
@@ -159,8 +168,12 @@ def test_scope_rejects_non_variables_and_bad_spec():
 
 def test_four_threads_train_different_variables():
     """Marked and unmarked variables trained at once, each against its reference."""
-    specs = [tapehook.BinarySpec(), tapehook.BinarySpec(activations=True), None,
-             tapehook.BinarySpec(scale="mean_abs", ste="swish_sign")]
+    specs = [
+        tapehook.BinarySpec(),
+        tapehook.BinarySpec(activations=True),
+        None,
+        tapehook.BinarySpec(scale="mean_abs", ste="swish_sign"),
+    ]
     errors, barrier = [], threading.Barrier(4)
 
     def train(i):
@@ -184,8 +197,7 @@ def test_four_threads_train_different_variables():
                 if specs[i] is None:
                     with tf.GradientTape() as t2:
                         t2.watch([x, w0])
-                        ry = tf.raw_ops.Conv2D(input=x, filter=w0, strides=[1] * 4,
-                                               padding="SAME")
+                        ry = tf.raw_ops.Conv2D(input=x, filter=w0, strides=[1] * 4, padding="SAME")
                         rl = tf.reduce_sum(ry * g)
                     rdx, rdw = t2.gradient(rl, [x, w0])
                 else:
@@ -208,6 +220,7 @@ def test_four_threads_train_different_variables():
 
 # ---- the TF internals tapehook relies on ----
 
+
 def test_registry_structure_is_there_and_overridden():
     entry = ops._gradient_registry._registry["Conv2D"]
     assert set(entry) >= {"type", "location"}
@@ -222,17 +235,33 @@ def test_missing_registry_structure_fails_loudly(monkeypatch):
         registry.registered_gradient("Conv2D")
 
 
-@pytest.mark.parametrize("owner,name,replacement,needle", [
-    ("backprop", "_MockOp", type("_MockOp", (), {"__init__": lambda self, attrs: None}),
-     "skip_input_indices"),
-    ("execute", "record_gradient", None, "record_gradient"),
-    ("gen_nn_ops", "conv2d", lambda input, filter, strides, padding, name=None: None,
-     "gen_nn_ops.conv2d"),
-    ("resource_variable_ops.BaseResourceVariable", "_read_variable_op", None,
-     "_read_variable_op"),
-])
+@pytest.mark.parametrize(
+    "owner,name,replacement,needle",
+    [
+        (
+            "backprop",
+            "_MockOp",
+            type("_MockOp", (), {"__init__": lambda self, attrs: None}),
+            "skip_input_indices",
+        ),
+        ("execute", "record_gradient", None, "record_gradient"),
+        (
+            "gen_nn_ops",
+            "conv2d",
+            lambda input, filter, strides, padding, name=None: None,
+            "gen_nn_ops.conv2d",
+        ),
+        (
+            "resource_variable_ops.BaseResourceVariable",
+            "_read_variable_op",
+            None,
+            "_read_variable_op",
+        ),
+    ],
+)
 def test_changed_tf_internals_fail_at_import_with_nothing_patched(
-        monkeypatch, owner, name, replacement, needle):
+    monkeypatch, owner, name, replacement, needle
+):
     """What `import tapehook` does on a TF whose internals moved: a clear error
     naming the version and the piece, before any patch is applied."""
     target = compat
@@ -263,12 +292,24 @@ def test_cached_library_is_reused_and_version_checked(tmp_path, monkeypatch):
     record = kernels.build()
     assert record["fresh_build"] is False
     build_json = tmp_path / "build.json"
-    build_json.write_text(json.dumps({**json.loads(
-        (kernels.pathlib.Path(record["path"]).parent / "build.json").read_text()),
-        "tf_version": "0.0.1"}))
+    build_json.write_text(
+        json.dumps(
+            {
+                **json.loads(
+                    (kernels.pathlib.Path(record["path"]).parent / "build.json").read_text()
+                ),
+                "tf_version": "0.0.1",
+            }
+        )
+    )
     monkeypatch.setattr(kernels, "cache_root", lambda: tmp_path / "cache")
-    key_dir = tmp_path / "cache" / kernels._cache_key(
-        kernels.source_dir(), *kernels.build_flags(kernels.source_dir()), False)
+    key_dir = (
+        tmp_path
+        / "cache"
+        / kernels._cache_key(
+            kernels.source_dir(), *kernels.build_flags(kernels.source_dir()), False
+        )
+    )
     key_dir.mkdir(parents=True)
     (key_dir / kernels.LIBRARY_NAME).write_bytes(b"")
     (key_dir / "build.json").write_text(build_json.read_text())

@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 import tapehook
+
 from conftest import run_mode, spec_kwargs
 
 
@@ -13,8 +14,10 @@ def _boundary(dtype, clip):
     """Values at and just around clip, representable in dtype."""
     np_dtype = tf.as_dtype(dtype).as_numpy_dtype
     c = np_dtype(clip)
-    return np.array([c, np.nextafter(c, np_dtype(0)), np.nextafter(c, np_dtype(1)),
-                     -c, 0.5 * c, 2 * c], np_dtype)
+    return np.array(
+        [c, np.nextafter(c, np_dtype(0)), np.nextafter(c, np_dtype(1)), -c, 0.5 * c, 2 * c],
+        np_dtype,
+    )
 
 
 @pytest.mark.parametrize("path", ["auto", "kernels", "stock"])
@@ -39,8 +42,15 @@ def test_ste_clip_mask_is_exact_in_the_input_dtype(path, dtype, mode, monkeypatc
 
     x_d = x.astype(tf.as_dtype(dtype).as_numpy_dtype)
     w_d = w0.astype(tf.as_dtype(dtype).as_numpy_dtype)
-    y, dx, dw = run_mode(mode, x_d, w_d, g.astype(x_d.dtype), forward, prepare=prepare,
-                         loss=lambda y, g: tf.reduce_sum(y * g))
+    y, dx, dw = run_mode(
+        mode,
+        x_d,
+        w_d,
+        g.astype(x_d.dtype),
+        forward,
+        prepare=prepare,
+        loss=lambda y, g: tf.reduce_sum(y * g),
+    )
     # exact: compare the stored values themselves with the Python double clip
     mask_x = (np.abs(vals.astype(np.float64)) <= clip).astype(float)
     np.testing.assert_array_equal(np.asarray(dx).reshape(-1), mask_x)

@@ -9,6 +9,8 @@ import pytest
 
 from tapehook import kernels
 
+pytestmark = pytest.mark.slow
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SANITIZE = [
     "-O1",

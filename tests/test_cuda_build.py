@@ -20,9 +20,12 @@ CC = ROOT / "cc_kernels"
 # One arch keeps the test quick; the real build adds sm_80 and sm_90.
 TEST_ARCHS = ("75",)
 
-pytestmark = pytest.mark.skipif(
-    cuda_build.find_nvcc() is None, reason=str(cuda_build.cuda_unavailable_reason())
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        cuda_build.find_nvcc() is None, reason=str(cuda_build.cuda_unavailable_reason())
+    ),
+]
 
 
 def _start(cmd):

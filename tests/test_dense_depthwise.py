@@ -8,16 +8,23 @@ import pytest
 import tensorflow as tf
 
 import tapehook
-from conftest import (SPEC_IDS, SPECS, assert_close, np_estimator_grad, np_sign, run_mode,
-                      spec_kwargs)
+
+from conftest import (
+    SPEC_IDS,
+    SPECS,
+    assert_close,
+    np_estimator_grad,
+    np_sign,
+    run_mode,
+    spec_kwargs,
+)
 
 GRAPH_MODES = ["eager", "tape_in_function", "function_under_tape", "v1_gradients"]
 
 
 def _run(mode, x, w0, g, op, mark):
     """(y, dx, dw) of loss = sum(op(x, w) * g) in one of conftest's modes."""
-    return run_mode(mode, x, w0, g, op, prepare=mark,
-                    loss=lambda y, g: tf.reduce_sum(y * g))
+    return run_mode(mode, x, w0, g, op, prepare=mark, loss=lambda y, g: tf.reduce_sum(y * g))
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
@@ -28,8 +35,9 @@ def test_dense_matches_written_out_math(mode, spec, rank):
     x = (rng.normal(size=(3, 4, 7) if rank == 3 else (5, 7)) * 1.2).astype(np.float64)
     w0 = rng.normal(size=(7, 6)).astype(np.float64)
     g = rng.normal(size=x.shape[:-1] + (6,))
-    y, dx, dw = _run(mode, x, w0, g, tf.matmul,
-                     lambda w: tapehook.mark_binary(w, **spec_kwargs(spec)))
+    y, dx, dw = _run(
+        mode, x, w0, g, tf.matmul, lambda w: tapehook.mark_binary(w, **spec_kwargs(spec))
+    )
     act = spec.activation_estimator
     x_hat = np_sign(x) if act else x
     alpha = np.abs(w0).mean(axis=0) if spec.scale else np.ones(6)
@@ -37,7 +45,12 @@ def test_dense_matches_written_out_math(mode, spec, rank):
     assert_close(y, x_hat @ w_hat, tf.float64, "forward")
     ex_dx = (g @ w_hat.T) * (np_estimator_grad(act, x, spec.clip) if act else 1)
     assert_close(dx, ex_dx, tf.float64, "dX")
-    ex_dw = x_hat.reshape(-1, 7).T @ g.reshape(-1, 6) * alpha * np_estimator_grad(spec.ste, w0, spec.clip)
+    ex_dw = (
+        x_hat.reshape(-1, 7).T
+        @ g.reshape(-1, 6)
+        * alpha
+        * np_estimator_grad(spec.ste, w0, spec.clip)
+    )
     assert_close(dw, ex_dw, tf.float64, "dW")
     if mode == "eager":
         assert tapehook.dispatch_counts()["reference"]["backprop_filter"] == 1
@@ -76,7 +89,9 @@ def test_depthwise_matches_stock_ops_on_binarized_operands(mode, spec):
 def test_unmarked_matmul_and_depthwise_are_stock():
     a = tf.random.normal([4, 5], seed=1)
     b = tf.Variable(tf.random.normal([5, 3], seed=2))
-    np.testing.assert_array_equal(tf.matmul(a, b), tf.raw_ops.MatMul(a=a, b=tf.convert_to_tensor(b)))
+    np.testing.assert_array_equal(
+        tf.matmul(a, b), tf.raw_ops.MatMul(a=a, b=tf.convert_to_tensor(b))
+    )
     assert tapehook.dispatch_counts()["reference"]["forward"] == 0
 
 
@@ -95,8 +110,11 @@ def test_keras_model_with_dense_and_depthwise(tmp_path):
     h = keras.layers.Dense(5, name="mid")(keras.layers.Flatten()(h))
     model = keras.Model(inputs, keras.layers.Dense(3, name="head")(h))
     tapehook.binarize(model, first_and_last_float=True, scale="mean_abs", activations=True)
-    binary = [l.name for l in model.layers if getattr(l, "kernel", None) is not None
-              and tapehook.binary_spec_of(l.kernel)]
+    binary = [
+        l.name
+        for l in model.layers
+        if getattr(l, "kernel", None) is not None and tapehook.binary_spec_of(l.kernel)
+    ]
     assert binary == ["dw", "mid"]
     x = np.random.default_rng(0).normal(size=(4, 8, 8, 3)).astype("float32")
     model.compile(optimizer="sgd", loss="mse")
@@ -106,8 +124,11 @@ def test_keras_model_with_dense_and_depthwise(tmp_path):
     path = str(tmp_path / "m.keras")
     model.save(path)
     loaded = keras.models.load_model(path)
-    assert [l.name for l in loaded.layers if getattr(l, "kernel", None) is not None
-            and tapehook.binary_spec_of(l.kernel)] == ["dw", "mid"]
+    assert [
+        l.name
+        for l in loaded.layers
+        if getattr(l, "kernel", None) is not None and tapehook.binary_spec_of(l.kernel)
+    ] == ["dw", "mid"]
     np.testing.assert_array_equal(loaded(x), model(x))
     report = tapehook.export_bitpacked(model, tmp_path / "m.thbits")
     assert report["binary_kernels"] == 2
@@ -118,8 +139,9 @@ def test_keras_model_with_dense_and_depthwise(tmp_path):
         original = model.get_layer(layer).kernel.numpy()
         axes = (0, 1) if layer == "dw" else (0,)
         np.testing.assert_array_equal(np.sign(w) >= 0, original >= 0)
-        np.testing.assert_allclose(np.abs(w).mean(axis=axes),
-                                   np.abs(original).mean(axis=axes), rtol=2e-5)
+        np.testing.assert_allclose(
+            np.abs(w).mean(axis=axes), np.abs(original).mean(axis=axes), rtol=2e-5
+        )
     assert_close(fresh(x), model(x), what="bitpacked round trip")
 
 

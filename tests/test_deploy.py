@@ -287,6 +287,7 @@ def test_savedmodel_loads_without_tapehook(tmp_path):
 # ---- LCE ----
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(LCE_TIMEOUT)
 @pytest.mark.parametrize(
     "make",
@@ -317,6 +318,7 @@ def test_lce_round_trip(make, tmp_path):
     _assert_matches(run_tflite(tmp_path / "m.tflite", x, target="lce"), expected)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(LCE_TIMEOUT)
 def test_lce_bitpacked_chain_and_sign_of_zero(tmp_path):
     """VALID binary convs feeding each other through a sign: LCE writes
@@ -346,6 +348,7 @@ def test_lce_bitpacked_chain_and_sign_of_zero(tmp_path):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(LCE_TIMEOUT)
 def test_lce_refuses_weight_only(tmp_path):
     target = tmp_path / "m.tflite"
@@ -386,6 +389,7 @@ def _one_padded_reference(layer, x):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(LCE_TIMEOUT)
 @pytest.mark.parametrize("target", ["litert", "lce"])
 def test_one_padding(target, tmp_path):
@@ -410,6 +414,7 @@ def test_one_padding(target, tmp_path):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(LCE_TIMEOUT)
 def test_float_kernel_binary_input(tmp_path):
     """weights=False (binary input, float kernel, no alpha): LiteRT exports it,

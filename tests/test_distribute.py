@@ -12,6 +12,8 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow
+
 SCRIPT = os.path.join(os.path.dirname(__file__), "helpers", "distributed_training.py")
 
 
@@ -24,15 +26,22 @@ def _env(**extra):
 
 def _train(mode, tmp_path, **env):
     out = tmp_path / f"{mode}.npz"
-    run = subprocess.run([sys.executable, SCRIPT, mode, str(out)], env=_env(**env),
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, SCRIPT, mode, str(out)],
+        env=_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     return np.load(out)
 
 
 def _weights(result):
-    return [result[k] for k in sorted((k for k in result.files if k.startswith("arr_")),
-                                      key=lambda k: int(k[4:]))]
+    return [
+        result[k]
+        for k in sorted((k for k in result.files if k.startswith("arr_")), key=lambda k: int(k[4:]))
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +79,22 @@ def test_multi_worker_mirrored_matches_single_process(single, tmp_path):
     workers = [f"127.0.0.1:{p}" for p in _free_ports(2)]
     procs = []
     for index in range(2):
-        config = json.dumps({"cluster": {"worker": workers},
-                             "task": {"type": "worker", "index": index}})
+        config = json.dumps(
+            {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
+        )
         out = tmp_path / f"worker{index}.npz"
-        procs.append((out, subprocess.Popen(
-            [sys.executable, SCRIPT, "multiworker", str(out)], env=_env(TF_CONFIG=config),
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+        procs.append(
+            (
+                out,
+                subprocess.Popen(
+                    [sys.executable, SCRIPT, "multiworker", str(out)],
+                    env=_env(TF_CONFIG=config),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                ),
+            )
+        )
     try:
         for out, proc in procs:
             _, err = proc.communicate(timeout=240)

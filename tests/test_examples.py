@@ -3,7 +3,11 @@
 import importlib.util
 import pathlib
 
+import pytest
+
 import tapehook
+
+pytestmark = pytest.mark.slow
 
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
@@ -17,7 +21,8 @@ def _example(name):
 
 def test_train_digits(tmp_path, capsys):
     binary, float_ = _example("train_digits").main(
-        ["--epochs", "2", "--size", "8", "--verbose", "0", "--plot", str(tmp_path / "c.png")])
+        ["--epochs", "2", "--size", "8", "--verbose", "0", "--plot", str(tmp_path / "c.png")]
+    )
     out = capsys.readouterr().out
     assert binary > 0.5 and float_ > 0.5
     assert (tmp_path / "c.png").stat().st_size > 1000

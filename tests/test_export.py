@@ -13,49 +13,62 @@ import pytest
 import tapehook
 from tapehook.export import export_bitpacked, load_bitpacked
 
-SPECS = [dict(activations=True, scale="mean_abs"), dict(scale="mean_abs"),
-         dict(ste="approx_sign")]
+SPECS = [dict(activations=True, scale="mean_abs"), dict(scale="mean_abs"), dict(ste="approx_sign")]
 
 
 def _data(n=16, size=10, channels=3, seed=0):
     rng = np.random.default_rng(seed)
-    return (rng.normal(size=(n, size, size, channels)).astype("float32"),
-            rng.integers(0, 4, size=n))
+    return (
+        rng.normal(size=(n, size, size, channels)).astype("float32"),
+        rng.integers(0, 4, size=n),
+    )
 
 
 def _convnet(width=8, middle=keras.layers.Conv2D):
     """A new instance each call: auto-generated layer names differ between them."""
-    return keras.Sequential([
-        keras.Input((10, 10, 3)),
-        keras.layers.Conv2D(8, 3, padding="same"),
-        keras.layers.BatchNormalization(),
-        middle(width, 3, padding="same", use_bias=False),
-        keras.layers.BatchNormalization(),
-        keras.layers.Conv2D(width, 3),
-        keras.layers.GlobalAveragePooling2D(),
-        keras.layers.Dense(4),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input((10, 10, 3)),
+            keras.layers.Conv2D(8, 3, padding="same"),
+            keras.layers.BatchNormalization(),
+            middle(width, 3, padding="same", use_bias=False),
+            keras.layers.BatchNormalization(),
+            keras.layers.Conv2D(width, 3),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(4),
+        ]
+    )
 
 
 def _trained(spec, seed=0):
     keras.utils.set_random_seed(seed)
     model = tapehook.binarize(_convnet(), first_and_last_float=True, **spec)
-    model.compile(optimizer=keras.optimizers.SGD(0.1),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.1),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     model.fit(*_data(seed=seed), batch_size=4, epochs=1, verbose=0)
     return model
 
 
 def _binary_kernels(model):
-    return [l.kernel for l in model.layers
-            if getattr(l, "kernel", None) is not None and tapehook.binary_spec_of(l.kernel)]
+    return [
+        l.kernel
+        for l in model.layers
+        if getattr(l, "kernel", None) is not None and tapehook.binary_spec_of(l.kernel)
+    ]
 
 
 def _state(model):
     """Every weight's value and every kernel's mark: to prove nothing changed."""
-    return ([w.numpy().copy() for w in model.weights],
-            [tapehook.binary_spec_of(l.kernel) for l in model.layers
-             if getattr(l, "kernel", None) is not None])
+    return (
+        [w.numpy().copy() for w in model.weights],
+        [
+            tapehook.binary_spec_of(l.kernel)
+            for l in model.layers
+            if getattr(l, "kernel", None) is not None
+        ],
+    )
 
 
 def _assert_same_state(before, after):
@@ -87,20 +100,32 @@ def test_round_trip_is_bit_identical(tmp_path, spec):
     for before, after in zip(_binary_kernels(original), _binary_kernels(loaded)):
         w, v = before.numpy(), after.numpy()
         assert np.array_equal(v >= 0, w >= 0)
-        alpha = (np.mean(np.abs(w.astype(np.float64)), axis=(0, 1, 2)).astype(np.float32)
-                 if stored_spec.scale else np.ones(w.shape[-1], np.float32))
+        alpha = (
+            np.mean(np.abs(w.astype(np.float64)), axis=(0, 1, 2)).astype(np.float32)
+            if stored_spec.scale
+            else np.ones(w.shape[-1], np.float32)
+        )
         assert np.array_equal(np.abs(v), np.broadcast_to(alpha, v.shape))
     v = _binary_kernels(loaded)[0].numpy()
     assert v[0, 0, 0, 0] == v[0, 0, 1, 0] == np.abs(v[..., 0]).max()  # 0 and -0.0: +1
-    float_weights = [(a, b) for a, b in zip(original.weights, loaded.weights)
-                     if tapehook.binary_spec_of(a) is None]
+    float_weights = [
+        (a, b)
+        for a, b in zip(original.weights, loaded.weights)
+        if tapehook.binary_spec_of(a) is None
+    ]
     assert all(np.array_equal(a.numpy(), b.numpy()) for a, b in float_weights)
 
 
 def test_conv1d_round_trip(tmp_path):
     def make():
-        return keras.Sequential([keras.Input((20, 5)), keras.layers.Conv1D(12, 3),
-                                 keras.layers.Conv1D(6, 5, padding="same")])
+        return keras.Sequential(
+            [
+                keras.Input((20, 5)),
+                keras.layers.Conv1D(12, 3),
+                keras.layers.Conv1D(6, 5, padding="same"),
+            ]
+        )
+
     original = tapehook.binarize(make(), scale="mean_abs")
     x = np.random.default_rng(0).normal(size=(3, 20, 5)).astype("float32")
     expected = original(x).numpy()
@@ -113,8 +138,8 @@ def _read_documented(path):
     """An independent reader of docs/bitpacked_format.md: header, manifest, data."""
     raw = (path).read_bytes()
     magic, version, size, _ = struct.unpack_from("<8sIII", raw)
-    manifest = json.loads(raw[20:20 + size])
-    return magic, version, manifest, raw[20 + size:]
+    manifest = json.loads(raw[20 : 20 + size])
+    return magic, version, manifest, raw[20 + size :]
 
 
 def test_layout_is_the_documented_one(tmp_path):
@@ -127,36 +152,52 @@ def test_layout_is_the_documented_one(tmp_path):
     assert (manifest["format"], manifest["version"]) == ("tapehook-bitpacked", 1)
     kernel, bias = manifest["weights"]
     assert kernel["kind"] == "binary" and kernel["shape"] == [3, 3, 3, 5]
-    assert kernel["spec"] == {"activations": True, "scale": "mean_abs",
-                              "ste": "ste_sign", "clip": 1.0, "pad_value": 0.0,
-                              "weights": True, "beta": 5.0, "activation_clip": 1.0}
+    assert kernel["spec"] == {
+        "activations": True,
+        "scale": "mean_abs",
+        "ste": "ste_sign",
+        "clip": 1.0,
+        "pad_value": 0.0,
+        "weights": True,
+        "beta": 5.0,
+        "activation_clip": 1.0,
+    }
     w = model.layers[0].kernel.numpy()
     bits = kernel["bits"]
     assert bits["shape"] == [5, 4] and bits["dtype"] == "uint8"  # 27 bits -> 4 bytes
     stored = np.frombuffer(data, np.uint8, 20, bits["offset"]).reshape(5, 4)
     for o in range(5):  # row o: w[..., o] in C order, MSB first, 1 for w >= 0
         flat = w[..., o].ravel()
-        expected = [sum(int(flat[8 * b + i] >= 0) << (7 - i)
-                        for i in range(8) if 8 * b + i < 27) for b in range(4)]
+        expected = [
+            sum(int(flat[8 * b + i] >= 0) << (7 - i) for i in range(8) if 8 * b + i < 27)
+            for b in range(4)
+        ]
         assert list(stored[o]) == expected
     alpha = np.frombuffer(data, "<f4", 5, kernel["alpha"]["offset"])
-    assert np.array_equal(alpha, np.mean(np.abs(w.astype(np.float64)),
-                                         axis=(0, 1, 2)).astype(np.float32))
+    assert np.array_equal(
+        alpha, np.mean(np.abs(w.astype(np.float64)), axis=(0, 1, 2)).astype(np.float32)
+    )
     assert bias["kind"] == "float"
-    assert np.array_equal(np.frombuffer(data, "<f4", 5, bias["value"]["offset"]),
-                          model.layers[0].bias.numpy())
+    assert np.array_equal(
+        np.frombuffer(data, "<f4", 5, bias["value"]["offset"]), model.layers[0].bias.numpy()
+    )
 
 
 def test_binary_kernels_take_a_32nd_of_float(tmp_path):
-    model = keras.Sequential([keras.Input((4, 4, 256)),
-                              keras.layers.Conv2D(128, 3, use_bias=False)])
+    model = keras.Sequential(
+        [keras.Input((4, 4, 256)), keras.layers.Conv2D(128, 3, use_bias=False)]
+    )
     tapehook.binarize(model, scale="mean_abs")
     report = export_bitpacked(model, tmp_path / "m.thb")
     weights = 3 * 3 * 256 * 128
     assert report == dict(
-        binary_kernels=1, binary_weights=weights, binary_bytes=weights // 8 + 4 * 128,
-        binary_float32_bytes=4 * weights, other_bytes=0,
-        file_bytes=(tmp_path / "m.thb").stat().st_size)
+        binary_kernels=1,
+        binary_weights=weights,
+        binary_bytes=weights // 8 + 4 * 128,
+        binary_float32_bytes=4 * weights,
+        other_bytes=0,
+        file_bytes=(tmp_path / "m.thb").stat().st_size,
+    )
     assert report["file_bytes"] <= report["binary_float32_bytes"] / 30
 
 
@@ -177,7 +218,7 @@ def _corrupt(raw, how):
     if how == "in_header":
         return bytes(raw[:11])
     if how == "in_manifest":
-        return bytes(raw[:manifest_end - 5])
+        return bytes(raw[: manifest_end - 5])
     if how == "in_data":
         return bytes(raw[:-3])
     if how == "trailing":
@@ -195,15 +236,21 @@ def _corrupt(raw, how):
     return bytes(raw)
 
 
-@pytest.mark.parametrize("how,message", [
-    ("empty", "truncated"), ("in_header", "truncated"),
-    ("in_manifest", "truncated inside the manifest"), ("in_data", "truncated"),
-    ("trailing", "trailing bytes"), ("magic", "bad magic"),
-    ("version", "format version 2; this tapehook reads version 1"),
-    ("manifest", "manifest checksum mismatch"),
-    ("last_array", "dense.*/bias: checksum mismatch"),
-    ("first_bits", "conv2d.*/kernel: checksum mismatch"),
-])
+@pytest.mark.parametrize(
+    "how,message",
+    [
+        ("empty", "truncated"),
+        ("in_header", "truncated"),
+        ("in_manifest", "truncated inside the manifest"),
+        ("in_data", "truncated"),
+        ("trailing", "trailing bytes"),
+        ("magic", "bad magic"),
+        ("version", "format version 2; this tapehook reads version 1"),
+        ("manifest", "manifest checksum mismatch"),
+        ("last_array", "dense.*/bias: checksum mismatch"),
+        ("first_bits", "conv2d.*/kernel: checksum mismatch"),
+    ],
+)
 def test_corrupt_file_raises_and_leaves_model_untouched(tmp_path, how, message):
     original = _trained(SPECS[0])
     export_bitpacked(original, tmp_path / "m.thb")
@@ -241,18 +288,33 @@ def _marked_first_conv():
     return model
 
 
-@pytest.mark.parametrize("make,message", [
-    (_without_last_bias, r"15 weights, the model 14; weight 14 is .*dense.*/bias \(4,\) "
-                         r"float32 in the file and missing in the model"),
-    (_with_extra_layer, r"15 weights, the model 17; weight 15 is missing in the file and "
-                        r".*dense.*/kernel \(4, 2\) float32 in the model"),
-    (lambda: _convnet(width=12), r"weight 6 is .*/kernel \(3, 3, 8, 8\) float32 in the "
-                                 r"file and .*/kernel \(3, 3, 8, 12\) float32"),
-    (_transpose_instead_of_conv, r"stored binary, but the model's .*/kernel is a "
-                                 r"Conv2DTranspose kernel"),
-    (_marked_first_conv, r"conv2d.*/kernel is stored float, but the model marks"),
-    (lambda: keras.Sequential([keras.layers.Conv2D(8, 3)]), "has no weights yet"),
-])
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (
+            _without_last_bias,
+            r"15 weights, the model 14; weight 14 is .*dense.*/bias \(4,\) "
+            r"float32 in the file and missing in the model",
+        ),
+        (
+            _with_extra_layer,
+            r"15 weights, the model 17; weight 15 is missing in the file and "
+            r".*dense.*/kernel \(4, 2\) float32 in the model",
+        ),
+        (
+            lambda: _convnet(width=12),
+            r"weight 6 is .*/kernel \(3, 3, 8, 8\) float32 in the "
+            r"file and .*/kernel \(3, 3, 8, 12\) float32",
+        ),
+        (
+            _transpose_instead_of_conv,
+            r"stored binary, but the model's .*/kernel is a "
+            r"Conv2DTranspose kernel",
+        ),
+        (_marked_first_conv, r"conv2d.*/kernel is stored float, but the model marks"),
+        (lambda: keras.Sequential([keras.layers.Conv2D(8, 3)]), "has no weights yet"),
+    ],
+)
 def test_mismatched_model_raises_and_is_left_untouched(tmp_path, make, message):
     export_bitpacked(_trained(SPECS[0]), tmp_path / "m.thb")
     target = make()
@@ -265,8 +327,11 @@ def test_mismatched_model_raises_and_is_left_untouched(tmp_path, make, message):
 def test_non_finite_binary_kernel_is_refused(tmp_path):
     model = _trained(SPECS[1])
     kernel = _binary_kernels(model)[0]
-    kernel.assign(np.where(np.arange(math.prod(kernel.shape)).reshape(kernel.shape) == 7,
-                           np.nan, kernel.numpy()))
+    kernel.assign(
+        np.where(
+            np.arange(math.prod(kernel.shape)).reshape(kernel.shape) == 7, np.nan, kernel.numpy()
+        )
+    )
     with pytest.raises(tapehook.TapehookError, match="inf or NaN"):
         export_bitpacked(model, tmp_path / "m.thb")
     assert not (tmp_path / "m.thb").exists()

@@ -6,6 +6,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 SCRIPT = r"""
 import json, warnings
 import tensorflow as tf
@@ -41,11 +45,19 @@ print(json.dumps({
 
 def _run(tmp_path, **env):
     """SCRIPT in a fresh process with an empty kernel cache and ``env``."""
-    full_env = {**os.environ, "TAPEHOOK_CACHE_DIR": str(tmp_path / "cache"),
-                "TF_CPP_MIN_LOG_LEVEL": "3"}
+    full_env = {
+        **os.environ,
+        "TAPEHOOK_CACHE_DIR": str(tmp_path / "cache"),
+        "TF_CPP_MIN_LOG_LEVEL": "3",
+    }
     full_env.pop("TAPEHOOK_KERNELS", None)
-    return subprocess.run([sys.executable, "-c", SCRIPT], env={**full_env, **env},
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        env={**full_env, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_no_compiler_falls_back_to_reference_with_one_warning(tmp_path):

@@ -9,12 +9,12 @@ import pytest
 import tensorflow as tf
 
 import tapehook
-from conftest import assert_close, random_inputs
 from tapehook import kernels, reference
 
+from conftest import assert_close, random_inputs
+
 # activations: True (fully binary, bitpacked) or False (weight-only, AMX).
-KINDS = pytest.mark.parametrize("activations", [True, False],
-                                ids=["binary", "weight_only"])
+KINDS = pytest.mark.parametrize("activations", [True, False], ids=["binary", "weight_only"])
 
 
 def _needs_kept_filter(activations):
@@ -28,14 +28,21 @@ def _spec(activations):
 
 
 def _expected(x, w_value, activations=True):
-    return reference.binary_conv2d(x, tf.constant(w_value), _spec(activations),
-                                   [1, 1, 1, 1], "SAME", [], [1, 1, 1, 1])
+    return reference.binary_conv2d(
+        x, tf.constant(w_value), _spec(activations), [1, 1, 1, 1], "SAME", [], [1, 1, 1, 1]
+    )
 
 
 def _raw(x, w, cache, activations=True):
     return kernels.library().tapehook_binary_conv2d(
-        x, w, cache_filter=cache, strides=[1, 1, 1, 1], padding="SAME",
-        scale="mean_abs", activation_estimator="ste_sign" if activations else "none")
+        x,
+        w,
+        cache_filter=cache,
+        strides=[1, 1, 1, 1],
+        padding="SAME",
+        scale="mean_abs",
+        activation_estimator="ste_sign" if activations else "none",
+    )
 
 
 def _writes(w, rng):
@@ -47,10 +54,14 @@ def _writes(w, rng):
         ("assign", lambda: w.assign(-w)),
         ("assign_sub", lambda: w.assign_sub(2.0 * w)),
         ("assign_add", lambda: w.assign_add(rng.normal(size=shape).astype(np.float32))),
-        ("scatter_nd_update", lambda: w.scatter_nd_update(
-            [[0, 0, 0, 0], [1, 1, 2, 3]], [-5.0, 7.0])),
-        ("keras_optimizer", lambda: sgd.apply_gradients(
-            [(tf.constant(rng.normal(size=shape), tf.float32), w)])),
+        (
+            "scatter_nd_update",
+            lambda: w.scatter_nd_update([[0, 0, 0, 0], [1, 1, 2, 3]], [-5.0, 7.0]),
+        ),
+        (
+            "keras_optimizer",
+            lambda: sgd.apply_gradients([(tf.constant(rng.normal(size=shape), tf.float32), w)]),
+        ),
     ]
 
 
@@ -82,8 +93,7 @@ def test_kept_filter_gives_the_same_bits_as_a_fresh_one(activations):
     w = tf.Variable(w0)
     fresh = _raw(x, w, cache=False, activations=activations)
     for _ in range(3):
-        np.testing.assert_array_equal(_raw(x, w, cache=True, activations=activations),
-                                      fresh)
+        np.testing.assert_array_equal(_raw(x, w, cache=True, activations=activations), fresh)
 
 
 @KINDS
@@ -95,8 +105,10 @@ def test_one_eager_kernel_serves_several_filters(activations):
     filters = [tf.Variable(w0), tf.Variable(-w0), tf.Variable(w0 * 0.5 + 0.3)]
     for _ in range(2):
         for v in filters:
-            assert_close(_raw(x, v, cache=True, activations=activations),
-                         _expected(x, v.numpy(), activations))
+            assert_close(
+                _raw(x, v, cache=True, activations=activations),
+                _expected(x, v.numpy(), activations),
+            )
 
 
 def test_only_inference_keeps_the_filter():
@@ -131,12 +143,10 @@ def test_only_inference_keeps_the_filter():
 @KINDS
 def test_v1_graph_session_sees_assign(activations):
     _needs_kept_filter(activations)
-    x_value, w0 = (t.numpy() for t in random_inputs((1, 6, 6, 16), (3, 3, 16, 8),
-                                                    seed=2))
+    x_value, w0 = (t.numpy() for t in random_inputs((1, 6, 6, 16), (3, 3, 16, 8), seed=2))
     with tf.Graph().as_default():
         x = tf.constant(x_value)
-        w = tapehook.mark_binary(tf.Variable(w0), activations=activations,
-                                 scale="mean_abs")
+        w = tapehook.mark_binary(tf.Variable(w0), activations=activations, scale="mean_abs")
         y = tf.nn.conv2d(x, w, 1, "SAME")
         flip = w.assign(-w)
         with tf.compat.v1.Session() as sess:
@@ -157,17 +167,16 @@ def test_keras_predict_after_fit(activations):
     x = rng.normal(size=(16, 6, 6, 8)).astype(np.float32)
     target = rng.normal(size=(16, 6, 6, 4)).astype(np.float32)
     with tapehook.binary_scope(activations=activations, scale="mean_abs"):
-        model = keras.Sequential([keras.Input((6, 6, 8)),
-                                  keras.layers.Conv2D(4, 3, padding="same", use_bias=False)])
+        model = keras.Sequential(
+            [keras.Input((6, 6, 8)), keras.layers.Conv2D(4, 3, padding="same", use_bias=False)]
+        )
     model.compile(keras.optimizers.SGD(5.0), "mse")
     kernel = model.layers[0].kernel
     before = model.predict(x, verbose=0)
-    assert_close(before, _expected(tf.constant(x), kernel.numpy(), activations),
-                 what="before fit")
+    assert_close(before, _expected(tf.constant(x), kernel.numpy(), activations), what="before fit")
     model.fit(x, target, epochs=2, batch_size=8, verbose=0)
     after = model.predict(x, verbose=0)
-    assert_close(after, _expected(tf.constant(x), kernel.numpy(), activations),
-                 what="after fit")
+    assert_close(after, _expected(tf.constant(x), kernel.numpy(), activations), what="after fit")
     assert not np.array_equal(after, before)
 
 

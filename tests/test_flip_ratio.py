@@ -44,23 +44,34 @@ def _flips(before, after):
 
 def _fit(callback, run_eagerly=False):
     keras.utils.set_random_seed(0)
-    model = tapehook.binarize(keras.Sequential([
-        keras.Input((8, 8, 3)),
-        keras.layers.Conv2D(8, 3, padding="same", name="stem"),
-        keras.layers.Conv2D(16, 3, padding="same", name="mid"),
-        keras.layers.Conv2D(16, 3, name="top"),
-        keras.layers.GlobalAveragePooling2D(),
-        keras.layers.Dense(4, name="head"),
-    ]), first_and_last_float=True, activations=True, scale="mean_abs")
-    model.compile(optimizer=keras.optimizers.SGD(0.5), run_eagerly=run_eagerly,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = tapehook.binarize(
+        keras.Sequential(
+            [
+                keras.Input((8, 8, 3)),
+                keras.layers.Conv2D(8, 3, padding="same", name="stem"),
+                keras.layers.Conv2D(16, 3, padding="same", name="mid"),
+                keras.layers.Conv2D(16, 3, name="top"),
+                keras.layers.GlobalAveragePooling2D(),
+                keras.layers.Dense(4, name="head"),
+            ]
+        ),
+        first_and_last_float=True,
+        activations=True,
+        scale="mean_abs",
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.5),
+        run_eagerly=run_eagerly,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     kernels = [model.get_layer("mid").kernel, model.get_layer("top").kernel]
     snapshots = Snapshots(kernels)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(4 * STEPS, 8, 8, 3)).astype("float32")
     y = rng.integers(0, 4, size=4 * STEPS)
-    history = model.fit(x, y, batch_size=4, epochs=EPOCHS, verbose=0,
-                        callbacks=[callback, snapshots])
+    history = model.fit(
+        x, y, batch_size=4, epochs=EPOCHS, verbose=0, callbacks=[callback, snapshots]
+    )
     return history, snapshots
 
 
@@ -72,12 +83,15 @@ def test_per_batch_flip_ratio_matches_numpy(run_eagerly):
     assert len(callback.history) == len(expected) == STEPS * EPOCHS
     assert any(total > 0 for total, _ in expected)  # the test would be vacuous otherwise
     for got, (total, (mid, top)) in zip(callback.history, expected):
-        assert got == {"flip_ratio": pytest.approx(total, rel=1e-12),
-                       "flip_ratio/mid": pytest.approx(mid, rel=1e-12),
-                       "flip_ratio/top": pytest.approx(top, rel=1e-12)}
+        assert got == {
+            "flip_ratio": pytest.approx(total, rel=1e-12),
+            "flip_ratio/mid": pytest.approx(mid, rel=1e-12),
+            "flip_ratio/top": pytest.approx(top, rel=1e-12),
+        }
     assert snaps.batch_logs == [r["flip_ratio"] for r in callback.history]
-    per_epoch = [np.mean([t for t, _ in expected[e * STEPS:(e + 1) * STEPS]])
-                 for e in range(EPOCHS)]
+    per_epoch = [
+        np.mean([t for t, _ in expected[e * STEPS : (e + 1) * STEPS]]) for e in range(EPOCHS)
+    ]
     assert history.history["flip_ratio"] == pytest.approx(per_epoch, rel=1e-12)
     assert len(history.history["flip_ratio/mid"]) == EPOCHS
 
@@ -97,8 +111,9 @@ def test_model_without_binary_kernels_is_refused():
     model = keras.Sequential([keras.Input((4, 4, 1)), keras.layers.Conv2D(2, 3)])
     model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(tapehook.TapehookError, match="no binary Conv1D / Conv2D kernels"):
-        model.fit(np.zeros((2, 4, 4, 1)), np.zeros((2, 2, 2, 2)), verbose=0,
-                  callbacks=[FlipRatio()])
+        model.fit(
+            np.zeros((2, 4, 4, 1)), np.zeros((2, 2, 2, 2)), verbose=0, callbacks=[FlipRatio()]
+        )
 
 
 def test_bad_every_is_refused():

@@ -8,15 +8,19 @@ import pytest
 import tensorflow as tf
 
 import tapehook
+
 from conftest import assert_close, random_inputs, reference_result, upstream
 
-THREAD_SPECS = [tapehook.BinarySpec(), tapehook.BinarySpec(activations=True),
-                tapehook.BinarySpec(scale="mean_abs"),
-                tapehook.BinarySpec(activations="approx_sign"),
-                tapehook.BinarySpec(ste="swish_sign", activations=True),
-                tapehook.BinarySpec(clip=0.5, activations=True),
-                tapehook.BinarySpec(ste="approx_sign", scale="mean_abs"),
-                tapehook.BinarySpec(activations=True, scale="mean_abs")]
+THREAD_SPECS = [
+    tapehook.BinarySpec(),
+    tapehook.BinarySpec(activations=True),
+    tapehook.BinarySpec(scale="mean_abs"),
+    tapehook.BinarySpec(activations="approx_sign"),
+    tapehook.BinarySpec(ste="swish_sign", activations=True),
+    tapehook.BinarySpec(clip=0.5, activations=True),
+    tapehook.BinarySpec(ste="approx_sign", scale="mean_abs"),
+    tapehook.BinarySpec(activations=True, scale="mean_abs"),
+]
 
 
 def test_eight_threads_marked_and_unmarked_eager_and_function():
@@ -100,6 +104,7 @@ def test_integer_filter_cannot_be_marked_and_stays_stock():
 
 def test_marked_keras_conv_with_channels_first_is_an_error():
     import keras
+
     layer = keras.layers.Conv2D(2, 3, data_format="channels_first")
     layer.build((1, 3, 6, 6))
     tapehook.mark_binary(layer.kernel)
@@ -132,4 +137,5 @@ def test_resident_memory_stops_growing_and_counts_stay_exact():
     grown = _rss_bytes() - before
     assert grown < 8 * 2**20, f"resident memory grew by {grown / 2**20:.1f} MiB"
     assert tapehook.dispatch_counts()["compiled"] == dict(
-        forward=400, backprop_input=0, backprop_filter=400)
+        forward=400, backprop_input=0, backprop_filter=400
+    )

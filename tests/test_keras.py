@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 import tapehook
+
 from conftest import assert_close, random_inputs, reference_result, upstream
 
 
@@ -24,15 +25,15 @@ def _layer_grads(layer, x, g):
 def test_conv2d_layer(activations, dilation):
     x, _ = random_inputs((2, 9, 8, 3), (1, 1, 1, 1))
     with tapehook.binary_scope(activations=activations, scale="mean_abs"):
-        layer = keras.layers.Conv2D(4, 3, padding="same", use_bias=False,
-                                    dilation_rate=dilation)
+        layer = keras.layers.Conv2D(4, 3, padding="same", use_bias=False, dilation_rate=dilation)
         layer.build(x.shape)
     spec = tapehook.binary_spec_of(layer.kernel)
     assert spec == tapehook.BinarySpec(activations=activations, scale="mean_abs")
     g = upstream((2, 9, 8, 4), tf.float32)
     y, dx, dw = _layer_grads(layer, x, g)
-    ry, rdx, rdw = reference_result(x, tf.convert_to_tensor(layer.kernel), spec, g,
-                                    dilations=[1, dilation, dilation, 1])
+    ry, rdx, rdw = reference_result(
+        x, tf.convert_to_tensor(layer.kernel), spec, g, dilations=[1, dilation, dilation, 1]
+    )
     assert_close(y, ry, what="forward")
     assert_close(dx, rdx, what="dX")
     assert_close(dw, rdw, what="dW")
@@ -41,10 +42,15 @@ def test_conv2d_layer(activations, dilation):
 
 def test_only_kernels_are_marked_in_a_scope():
     with tapehook.binary_scope():
-        model = keras.Sequential([keras.Input((8, 8, 3)),
-                                  keras.layers.Conv2D(4, 3),
-                                  keras.layers.BatchNormalization(),
-                                  keras.layers.Flatten(), keras.layers.Dense(2)])
+        model = keras.Sequential(
+            [
+                keras.Input((8, 8, 3)),
+                keras.layers.Conv2D(4, 3),
+                keras.layers.BatchNormalization(),
+                keras.layers.Flatten(),
+                keras.layers.Dense(2),
+            ]
+        )
     marked = [v.path for v in model.weights if tapehook.binary_spec_of(v)]
     assert marked == [model.layers[0].kernel.path, model.layers[3].kernel.path]
 
@@ -57,8 +63,9 @@ def test_conv1d_layer_through_expand_dims():
     g = upstream((2, 6, 5), tf.float32)
     y, dx, dw = _layer_grads(layer, x, g)
     w4 = tf.convert_to_tensor(layer.kernel)[None]
-    ry, rdx, rdw = reference_result(x[:, None], w4, tapehook.binary_spec_of(layer.kernel),
-                                    g[:, None], strides=[1, 1, 2, 1])
+    ry, rdx, rdw = reference_result(
+        x[:, None], w4, tapehook.binary_spec_of(layer.kernel), g[:, None], strides=[1, 1, 2, 1]
+    )
     assert_close(y, ry[:, 0], what="forward")
     assert_close(dx, rdx[:, 0], what="dX")
     assert_close(dw, rdw[0], what="dW")
@@ -90,8 +97,9 @@ def test_fit_step_matches_reference_update(run_eagerly):
     x, _ = random_inputs((4, 6, 6, 2), (1,))
     y_true = tf.constant(np.random.default_rng(3).normal(size=(4, 6, 6, 3)), tf.float32)
     with tapehook.binary_scope(activations=True):
-        model = keras.Sequential([keras.Input((6, 6, 2)),
-                                  keras.layers.Conv2D(3, 3, padding="same", use_bias=False)])
+        model = keras.Sequential(
+            [keras.Input((6, 6, 2)), keras.layers.Conv2D(3, 3, padding="same", use_bias=False)]
+        )
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", run_eagerly=run_eagerly)
     w_before = tf.convert_to_tensor(model.layers[0].kernel)
     spec = tapehook.binary_spec_of(model.layers[0].kernel)
@@ -116,10 +124,14 @@ def test_unmarked_model_fit_is_stock_bit_for_bit():
 
     def train():
         keras.utils.set_random_seed(7)
-        model = keras.Sequential([keras.Input((6, 6, 2)),
-                                  keras.layers.Conv2D(3, 3, padding="same"),
-                                  keras.layers.Activation("relu"),
-                                  keras.layers.Conv2D(3, 3, padding="same", dilation_rate=2)])
+        model = keras.Sequential(
+            [
+                keras.Input((6, 6, 2)),
+                keras.layers.Conv2D(3, 3, padding="same"),
+                keras.layers.Activation("relu"),
+                keras.layers.Conv2D(3, 3, padding="same", dilation_rate=2),
+            ]
+        )
         model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
         model.fit(x, y_true, batch_size=4, epochs=2, verbose=0, shuffle=False)
         return [v.numpy() for v in model.weights]

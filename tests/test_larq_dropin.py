@@ -713,6 +713,7 @@ def test_quantizer_functions_in_v1_graph():
     np.testing.assert_allclose(gs[2], 2.0 * (2 - b * np.tanh(b / 2)) / (1 + np.cosh(b)), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_quicknet_example_trains():
     """examples/larq_quicknet.py: larq-zoo's QuickNet via tapehook.larq, Bop + Adam."""
     import importlib.util

@@ -130,6 +130,8 @@ if not hasattr(keras.optimizers.Optimizer, "lr"):
 _backend.dtype = lambda x: keras.backend.standardize_dtype(x.dtype)
 
 import json as _json
+
+pytestmark = pytest.mark.slow
 _EXCLUDED = _json.loads(EXCLUDED_JSON)
 
 

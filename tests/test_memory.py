@@ -12,6 +12,7 @@ import tensorflow as tf
 
 import tapehook
 from tapehook import kernels, packing
+
 from conftest import assert_close, random_inputs, reference_result, upstream
 
 
@@ -46,7 +47,8 @@ def test_pack_round_trip(channels, dtype):
     assert x_hat.dtype == dtype
     np.testing.assert_array_equal(x_hat, np.where(x >= 0, 1.0, -1.0))
     np.testing.assert_array_equal(
-        mask, (np.abs(tf.cast(x, tf.float32)) <= np.float32(0.7)).astype(float))
+        mask, (np.abs(tf.cast(x, tf.float32)) <= np.float32(0.7)).astype(float)
+    )
 
 
 def test_graph_backward_reads_the_bits_not_the_input():
@@ -62,8 +64,9 @@ def test_graph_backward_reads_the_bits_not_the_input():
 
     graph = step.get_concrete_function(tf.TensorSpec([2, 6, 6, 3])).graph
     x_input = graph.inputs[0]
-    backprops = [op for op in graph.get_operations()
-                 if op.type.startswith("TapehookBinaryConv2DBackprop")]
+    backprops = [
+        op for op in graph.get_operations() if op.type.startswith("TapehookBinaryConv2DBackprop")
+    ]
     assert len(backprops) == 2
     for op in backprops:
         assert op.inputs[0] is not x_input, f"{op.type} reads the float input"
@@ -87,8 +90,7 @@ def test_bn_conv_stack_trains_like_the_reference(run_eagerly):
 
     def train(reference):
         model = _stack(dict(activations=True))
-        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse",
-                      run_eagerly=run_eagerly)
+        model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse", run_eagerly=run_eagerly)
         kernels.force_reference(reference)
         try:
             model.fit(x, y, batch_size=4, epochs=2, verbose=0)
@@ -102,8 +104,7 @@ def test_bn_conv_stack_trains_like_the_reference(run_eagerly):
 
 
 def test_conv2d_override_still_applies_with_binary_activations():
-    w = tapehook.mark_binary(tf.Variable(tf.random.normal([3, 3, 2, 4], seed=1)),
-                             activations=True)
+    w = tapehook.mark_binary(tf.Variable(tf.random.normal([3, 3, 2, 4], seed=1)), activations=True)
     x = tf.random.normal([1, 5, 5, 2], seed=2)
 
     def ones_for_filter(op, grad):

@@ -10,6 +10,7 @@ import tensorflow as tf
 
 import tapehook
 from tapehook import kernels
+
 from conftest import assert_close
 
 BINARY = tapehook.BinarySpec(activations=True, scale="mean_abs")
@@ -17,8 +18,10 @@ BINARY = tapehook.BinarySpec(activations=True, scale="mean_abs")
 
 def _data(n=4, size=8, channels=3, classes=3, seed=0):
     rng = np.random.default_rng(seed)
-    return (rng.normal(size=(n, size, size, channels)).astype("float32"),
-            rng.integers(0, classes, size=n))
+    return (
+        rng.normal(size=(n, size, size, channels)).astype("float32"),
+        rng.integers(0, classes, size=n),
+    )
 
 
 def _reference_outputs(model, x):
@@ -37,10 +40,14 @@ class Net(keras.Model):
     def __init__(self):
         super().__init__()
         self.stem = keras.layers.Conv2D(8, 3, padding="same", name="stem")
-        self.block = keras.Sequential([keras.layers.Conv2D(8, 3, padding="same", name="inner_a"),
-                                       keras.layers.BatchNormalization(),
-                                       keras.layers.Conv2D(8, 1, name="inner_b")],
-                                      name="block")
+        self.block = keras.Sequential(
+            [
+                keras.layers.Conv2D(8, 3, padding="same", name="inner_a"),
+                keras.layers.BatchNormalization(),
+                keras.layers.Conv2D(8, 1, name="inner_b"),
+            ],
+            name="block",
+        )
         self.pool = keras.layers.GlobalAveragePooling2D()
         self.head = keras.layers.Dense(3, name="head")
         self.late = None
@@ -54,15 +61,19 @@ class Net(keras.Model):
 
 
 def _binary_names(model):
-    return sorted(l.name for l in model._flatten_layers(include_self=False)
-                  if getattr(l, "kernel", None) is not None and tapehook.binary_spec_of(l.kernel))
+    return sorted(
+        l.name
+        for l in model._flatten_layers(include_self=False)
+        if getattr(l, "kernel", None) is not None and tapehook.binary_spec_of(l.kernel)
+    )
 
 
 def test_decorator_marks_nested_and_lazy_layers_before_first_step():
     model = Net()
     x, y = _data()
-    model.compile(optimizer="sgd",
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     model.fit(x, y, epochs=1, verbose=0)  # the very first traced step is binary
     assert _binary_names(model) == ["inner_a", "inner_b", "late"]
     assert tapehook.binary_spec_of(model.late.kernel) == BINARY
@@ -71,31 +82,45 @@ def test_decorator_marks_nested_and_lazy_layers_before_first_step():
     assert_close(model(x), _reference_outputs(model, x), what="outputs")
 
 
-@pytest.mark.parametrize("kwargs,expected", [
-    (dict(), ["c1", "c2", "c3", "d"]),
-    (dict(first_and_last_float=True), ["c2", "c3"]),
-    (dict(include="c[12]"), ["c1", "c2"]),
-    (dict(exclude=["c1", "c3"]), ["c2", "d"]),
-    (dict(exclude=lambda layer: getattr(layer, "filters", 0) == 4), ["c1", "c3", "d"]),
-])
+@pytest.mark.parametrize(
+    "kwargs,expected",
+    [
+        (dict(), ["c1", "c2", "c3", "d"]),
+        (dict(first_and_last_float=True), ["c2", "c3"]),
+        (dict(include="c[12]"), ["c1", "c2"]),
+        (dict(exclude=["c1", "c3"]), ["c2", "d"]),
+        (dict(exclude=lambda layer: getattr(layer, "filters", 0) == 4), ["c1", "c3", "d"]),
+    ],
+)
 def test_include_exclude_and_recipe(kwargs, expected):
-    model = keras.Sequential([keras.Input((8, 8, 3)),
-                              keras.layers.Conv2D(8, 3, name="c1"),
-                              keras.layers.Conv2D(4, 3, name="c2"),
-                              keras.layers.Conv2D(8, 1, name="c3"),
-                              keras.layers.Flatten(), keras.layers.Dense(2, name="d")])
+    model = keras.Sequential(
+        [
+            keras.Input((8, 8, 3)),
+            keras.layers.Conv2D(8, 3, name="c1"),
+            keras.layers.Conv2D(4, 3, name="c2"),
+            keras.layers.Conv2D(8, 1, name="c3"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(2, name="d"),
+        ]
+    )
     assert tapehook.binarize(model, **kwargs) is model
     assert _binary_names(model) == expected
 
 
 def test_last_conv_layer_is_kept_float_by_the_recipe():
-    model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, name="a"),
-                              keras.layers.Conv2D(4, 3, name="b"),
-                              keras.layers.Conv2D(2, 1, name="last")])
+    model = keras.Sequential(
+        [
+            keras.Input((8, 8, 3)),
+            keras.layers.Conv2D(4, 3, name="a"),
+            keras.layers.Conv2D(4, 3, name="b"),
+            keras.layers.Conv2D(2, 1, name="last"),
+        ]
+    )
     tapehook.binarize(model, first_and_last_float=True)
     assert _binary_names(model) == ["b"]
 
 
+@pytest.mark.slow
 def test_resnet50_unchanged_model_code():
     model = keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=10)
     # alpha = mean |W| keeps 52 stacked binary convs from overflowing to inf.
@@ -109,8 +134,9 @@ def test_resnet50_unchanged_model_code():
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
     model.fit(x, y, batch_size=2, epochs=1, verbose=0)
     counts = tapehook.dispatch_counts()["compiled"]
-    assert counts == dict(forward=len(convs) - 1, backprop_input=len(convs) - 1,
-                          backprop_filter=len(convs) - 1)
+    assert counts == dict(
+        forward=len(convs) - 1, backprop_input=len(convs) - 1, backprop_filter=len(convs) - 1
+    )
 
 
 class CustomStep(keras.Model):
@@ -130,13 +156,18 @@ def _functional(cls=keras.Model):
     return cls(inputs, keras.layers.Dense(2)(keras.layers.Flatten()(h)))
 
 
-@pytest.mark.parametrize("entry", ["fit", "fit_eager", "train_on_batch", "custom_train_step",
-                                   "evaluate", "predict"])
+@pytest.mark.parametrize(
+    "entry", ["fit", "fit_eager", "train_on_batch", "custom_train_step", "evaluate", "predict"]
+)
 def test_every_keras_entry_point_is_binary(entry):
-    model = tapehook.binarize(_functional(CustomStep if entry == "custom_train_step"
-                                          else keras.Model), **vars(BINARY))
-    model.compile(optimizer=keras.optimizers.SGD(0.05), run_eagerly=entry == "fit_eager",
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = tapehook.binarize(
+        _functional(CustomStep if entry == "custom_train_step" else keras.Model), **vars(BINARY)
+    )
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.05),
+        run_eagerly=entry == "fit_eager",
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     x, y = _data(4, classes=2)
     if entry in ("fit", "fit_eager", "custom_train_step"):
         model.fit(x, y, batch_size=4, epochs=1, verbose=0)
@@ -160,8 +191,10 @@ def test_training_matches_reference_path():
     def train(reference):
         keras.utils.set_random_seed(3)
         model = tapehook.binarize(_functional(), **vars(BINARY))
-        model.compile(optimizer=keras.optimizers.SGD(0.05),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.05),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
         kernels.force_reference(reference)
         try:
             model.fit(x, y, batch_size=2, epochs=1, verbose=0, shuffle=False)
@@ -175,11 +208,15 @@ def test_training_matches_reference_path():
 
 # ---- XLA ----
 
+
 def test_auto_jit_with_a_gpu_visible_stays_off(monkeypatch):
     fake_gpu = tf.config.PhysicalDevice("/physical_device:GPU:0", "GPU")
     real = tf.config.list_physical_devices
-    monkeypatch.setattr(tf.config, "list_physical_devices",
-                        lambda kind=None: real(kind) + ([fake_gpu] if kind in (None, "GPU") else []))
+    monkeypatch.setattr(
+        tf.config,
+        "list_physical_devices",
+        lambda kind=None: real(kind) + ([fake_gpu] if kind in (None, "GPU") else []),
+    )
     plain = _functional()
     plain.compile(optimizer="sgd", loss="mse", jit_compile="auto")
     assert plain.jit_compile is True  # the simulated GPU is seen
@@ -202,8 +239,7 @@ def test_explicit_jit_compile_true_runs_binary_without_xla():
 
 def test_xla_compiled_function_runs_the_binary_math():
     x = tf.constant(_data(2)[0])
-    w = tapehook.mark_binary(tf.Variable(tf.random.normal([3, 3, 3, 4], seed=4)),
-                             activations=True)
+    w = tapehook.mark_binary(tf.Variable(tf.random.normal([3, 3, 3, 4], seed=4)), activations=True)
 
     @tf.function(jit_compile=True)
     def step(x):
@@ -227,6 +263,7 @@ def test_xla_compiled_function_runs_the_binary_math():
 
 # ---- saving and loading ----
 
+
 def test_keras_file_round_trip_keeps_marks(tmp_path):
     model = tapehook.binarize(_functional(), exclude="conv2d*_1*", **vars(BINARY))
     x, y = _data(4, classes=2)
@@ -237,10 +274,13 @@ def test_keras_file_round_trip_keeps_marks(tmp_path):
     assert [tapehook.binary_spec_of(l.kernel) for l in loaded.layers[1:3]] == expected_specs
     np.testing.assert_array_equal(loaded(x), model(x))
     tapehook.reset_dispatch_counts()
-    loaded.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    loaded.compile(
+        optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     loaded.fit(x, y, epochs=1, verbose=0)
     assert tapehook.dispatch_counts()["compiled"]["backprop_filter"] == sum(
-        s is not None for s in expected_specs)
+        s is not None for s in expected_specs
+    )
 
 
 def test_saved_model_signature_is_binary(tmp_path):
@@ -289,6 +329,7 @@ def test_checkpoint_restore_keeps_binary(tmp_path):
 
 # ---- tf.Module ----
 
+
 @tapehook.binarize(exclude="float_*", activations=True)
 class Mod(tf.Module):
     def __call__(self, x):
@@ -319,11 +360,17 @@ def test_binarize_rejects_other_things():
 
 # ---- summary ----
 
+
 def test_summary_counts_bits_and_macs():
-    model = keras.Sequential([keras.Input((8, 8, 3)),
-                              keras.layers.Conv2D(16, 3, padding="same", use_bias=False, name="f"),
-                              keras.layers.Conv2D(32, 3, padding="same", use_bias=False, name="b"),
-                              keras.layers.Flatten(), keras.layers.Dense(10, name="d")])
+    model = keras.Sequential(
+        [
+            keras.Input((8, 8, 3)),
+            keras.layers.Conv2D(16, 3, padding="same", use_bias=False, name="f"),
+            keras.layers.Conv2D(32, 3, padding="same", use_bias=False, name="b"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(10, name="d"),
+        ]
+    )
     tapehook.binarize(model, include="b", scale="mean_abs")
     printed = []
     result = tapehook.summary(model, print_fn=printed.append)

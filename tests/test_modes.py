@@ -7,8 +7,17 @@ import tensorflow as tf
 
 import tapehook
 from tapehook import patches, registry
-from conftest import (MODES, SPEC_IDS, SPECS, assert_close, random_inputs,
-                      reference_result, spec_kwargs, upstream)
+
+from conftest import (
+    MODES,
+    SPEC_IDS,
+    SPECS,
+    assert_close,
+    random_inputs,
+    reference_result,
+    spec_kwargs,
+    upstream,
+)
 
 X_SHAPE, W_SHAPE = (2, 7, 6, 3), (3, 3, 3, 5)
 
@@ -23,8 +32,7 @@ def test_binary_matches_reference(mode, spec, policy, monkeypatch):
     x, w0 = random_inputs(X_SHAPE, W_SHAPE, seed=len(mode))
     g = upstream((2, 4, 3, 5), tf.float32)
     conv = {"strides": 2, "padding": "SAME"}
-    y, dx, dw = MODES[mode](x, w0, g, conv,
-                            lambda w: tapehook.mark_binary(w, **spec_kwargs(spec)))
+    y, dx, dw = MODES[mode](x, w0, g, conv, lambda w: tapehook.mark_binary(w, **spec_kwargs(spec)))
     ry, rdx, rdw = reference_result(x, w0, spec, g, strides=[1, 2, 2, 1])
     assert_close(y, ry, what="forward")
     assert_close(dx, rdx, what="dX")
@@ -68,14 +76,14 @@ def test_gradient_built_after_scope_closed():
     with tf.GradientTape() as tape:
         with tapehook.binary_scope():
             y = tf.nn.conv2d(x, w, strides=1, padding="SAME")
-        loss = tf.reduce_sum(y ** 2)
+        loss = tf.reduce_sum(y**2)
     dw = tape.gradient(loss, w)
     spec = tapehook.binary_spec_of(w)
     assert spec == tapehook.BinarySpec()
     with tf.GradientTape() as tape:
         tape.watch(w0)
         ry = tapehook.reference.binary_conv2d(x, w0, spec)
-        rloss = tf.reduce_sum(ry ** 2)
+        rloss = tf.reduce_sum(ry**2)
     assert_close(y, ry)
     assert_close(dw, tape.gradient(rloss, w0))
 

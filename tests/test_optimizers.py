@@ -21,6 +21,7 @@ from tapehook.optimizers import Bop, CaseOptimizer
 
 # ---- NumPy references ----
 
+
 def np_bop(w, m, g, gamma, threshold):
     """One Bop step as larq 0.14 computes it: m += gamma (g - m);
     w = sign(-sign(w m - threshold) w) with sign(0) = +1."""
@@ -61,8 +62,10 @@ def _problem(shape=(3, 3, 2, 4), seed=0):
     rng = np.random.default_rng(seed)
     w0 = (rng.uniform(0.1, 0.9, shape) * rng.choice([-1, 1], shape)).astype("float32")
     drift = rng.normal(size=shape) * 4e-3
-    grads = [(drift * (1 if s < 3 else -1) + rng.normal(size=shape) * 4e-3).astype("float32")
-             for s in range(STEPS)]
+    grads = [
+        (drift * (1 if s < 3 else -1) + rng.normal(size=shape) * 4e-3).astype("float32")
+        for s in range(STEPS)
+    ]
     return w0, grads
 
 
@@ -87,6 +90,7 @@ def test_reference_agrees_with_the_paper_on_binary_weights():
 
 
 # ---- Bop in every execution mode ----
+
 
 def _marked_variable(w0):
     return tapehook.mark_binary(tf.Variable(w0))
@@ -139,8 +143,9 @@ def test_bop_float64_and_schedules():
         opt.apply_gradients([(tf.constant(g), var)])
         np.testing.assert_array_equal(var.numpy(), w)
         # the schedules compute in float32: gamma_t is within float32 rounding
-        np.testing.assert_allclose(opt._momentums[0].numpy(), m, rtol=0,
-                                   atol=2e-6 * np.abs(m).max())
+        np.testing.assert_allclose(
+            opt._momentums[0].numpy(), m, rtol=0, atol=2e-6 * np.abs(m).max()
+        )
     assert var.dtype == tf.float64
 
 
@@ -150,12 +155,15 @@ def _dense_problem(batches=STEPS, batch=8, units=(6, 5), seed=1):
     rng = np.random.default_rng(seed)
     n_in, n_out = units
     x = rng.normal(size=(batches * batch, n_in)).astype("float32")
-    t = (rng.normal(size=(batches * batch, n_out)) * 0.05
-         + np.where(np.arange(batches * batch)[:, None] < 3 * batch, 0.03, -0.03)
-         ).astype("float32")
+    t = (
+        rng.normal(size=(batches * batch, n_out)) * 0.05
+        + np.where(np.arange(batches * batch)[:, None] < 3 * batch, 0.03, -0.03)
+    ).astype("float32")
     w0 = (rng.uniform(0.1, 0.9, units) * rng.choice([-1, 1], units)).astype("float32")
-    grads = [x[s * batch:(s + 1) * batch].T @ t[s * batch:(s + 1) * batch] / batch
-             for s in range(batches)]
+    grads = [
+        x[s * batch : (s + 1) * batch].T @ t[s * batch : (s + 1) * batch] / batch
+        for s in range(batches)
+    ]
     return x, t, w0, grads, batch
 
 
@@ -193,6 +201,7 @@ def test_bop_in_fit_matches_reference(run_eagerly):
 
 # ---- CaseOptimizer ----
 
+
 def _np_sgd(w, grads, lr):
     for g in grads:
         w = w - np.float32(lr) * g
@@ -224,8 +233,7 @@ def test_case_optimizer_routes_by_marks(mode):
     np.testing.assert_allclose(opt.binary._momentums[0].numpy(), m, rtol=1e-6, atol=1e-9)
     np.testing.assert_allclose(float_kernel.numpy(), _np_sgd(f0, float_grads, 0.1), rtol=1e-6)
     np.testing.assert_allclose(bias.numpy(), _np_sgd(b0, bias_grads, 0.1), rtol=1e-6)
-    assert int(opt.iterations) == int(opt.binary.iterations) == int(
-        opt.default.iterations) == STEPS
+    assert int(opt.iterations) == int(opt.binary.iterations) == int(opt.default.iterations) == STEPS
     assert len(opt.binary._trainable_variables) == 1
     assert len(opt.default._trainable_variables) == 2
 
@@ -238,10 +246,14 @@ def test_each_optimizer_counts_its_own_steps():
     opt.apply_gradients([(tf.constant(grads[1]), binary), (None, floating)])
     opt.apply_gradients([(None, binary), (tf.ones((2, 2)), floating)])
     assert (int(opt.iterations), int(opt.binary.iterations), int(opt.default.iterations)) == (
-        3, 2, 2)
+        3,
+        2,
+        2,
+    )
     np.testing.assert_allclose(floating.numpy(), 1 - 0.2)
-    np.testing.assert_array_equal(binary.numpy(),
-                                  np_reference(w0, grads[:2], GAMMA, THRESHOLD)[-1][0])
+    np.testing.assert_array_equal(
+        binary.numpy(), np_reference(w0, grads[:2], GAMMA, THRESHOLD)[-1][0]
+    )
 
 
 def test_weights_false_kernels_go_to_the_default_optimizer():
@@ -265,13 +277,14 @@ def test_larq_form_with_predicates():
     opt = CaseOptimizer(
         (lambda v: v.shape.rank == 4, Bop(threshold=THRESHOLD, gamma=GAMMA)),
         (lambda v: v.shape.rank == 1, keras.optimizers.SGD(1.0)),
-        default_optimizer=keras.optimizers.SGD(0.5))
-    opt.apply_gradients([(tf.constant(grads[0]), binary), (tf.ones((2, 2)), a),
-                         (tf.ones((3,)), b)])
+        default_optimizer=keras.optimizers.SGD(0.5),
+    )
+    opt.apply_gradients([(tf.constant(grads[0]), binary), (tf.ones((2, 2)), a), (tf.ones((3,)), b)])
     np.testing.assert_allclose(a.numpy(), 0.5)
     np.testing.assert_allclose(b.numpy(), 0.0)
-    np.testing.assert_array_equal(binary.numpy(),
-                                  np_reference(w0, grads[:1], GAMMA, THRESHOLD)[0][0])
+    np.testing.assert_array_equal(
+        binary.numpy(), np_reference(w0, grads[:1], GAMMA, THRESHOLD)[0][0]
+    )
     config = opt.get_config()
     assert config["routing"] == {"binary:0": 0, "b:0": 1, "a:0": 2}
     restored = CaseOptimizer.from_config(json.loads(json.dumps(config)))
@@ -279,8 +292,10 @@ def test_larq_form_with_predicates():
     assert [o._trainable_variables for o in restored.optimizers] == [[binary], [b], [a]]
     with pytest.raises(tapehook.TapehookError, match="not in the routing"):
         CaseOptimizer.from_config(config).build([tf.Variable(1.0, name="c")])
-    twins = CaseOptimizer((lambda v: v.shape.rank == 0, keras.optimizers.SGD()),
-                          default_optimizer=keras.optimizers.SGD())
+    twins = CaseOptimizer(
+        (lambda v: v.shape.rank == 0, keras.optimizers.SGD()),
+        default_optimizer=keras.optimizers.SGD(),
+    )
     twins.build([tf.Variable(1.0, name="x"), tf.Variable([1.0], name="x")])
     with pytest.raises(tapehook.TapehookError, match="distinct names"):
         twins.get_config()
@@ -297,7 +312,8 @@ def test_case_optimizer_in_fit_with_float_layers():
     assert set(np.unique(kernel.numpy())) == {-1.0, 1.0}
     assert opt.binary._trainable_variables[0] is kernel
     assert {v.path for v in opt.default._trainable_variables} == {
-        v.path for v in model.get_layer("head").trainable_variables}
+        v.path for v in model.get_layer("head").trainable_variables
+    }
     assert not np.array_equal(model.get_layer("head").kernel.numpy(), head0)
     assert int(opt.binary.iterations) == int(opt.default.iterations) == STEPS
 
@@ -305,6 +321,7 @@ def test_case_optimizer_in_fit_with_float_layers():
 def test_lazily_marked_subclassed_model():
     """@binarize marks kernels at the layers' first call: before Keras builds
     the optimizer in fit."""
+
     @tapehook.binarize(include="binary*")
     class Net(keras.Model):
         def __init__(self):
@@ -319,8 +336,12 @@ def test_lazily_marked_subclassed_model():
     opt = CaseOptimizer(Bop(), keras.optimizers.SGD(0.1))
     model.compile(opt, "mse")
     rng = np.random.default_rng(0)
-    model.fit(rng.normal(size=(16, 3)).astype("float32"),
-              rng.normal(size=(16, 2)).astype("float32"), batch_size=8, verbose=0)
+    model.fit(
+        rng.normal(size=(16, 3)).astype("float32"),
+        rng.normal(size=(16, 2)).astype("float32"),
+        batch_size=8,
+        verbose=0,
+    )
     assert [v.path for v in opt.binary._trainable_variables] == [model.binary.kernel.path]
     assert len(opt.default._trainable_variables) == 2
     assert set(np.unique(model.binary.kernel.numpy())) <= {-1.0, 1.0}
@@ -328,11 +349,15 @@ def test_lazily_marked_subclassed_model():
 
 # ---- saving and restoring ----
 
+
 def _trained(steps_x, extra_float=True, optimizer=None):
     x, t, w0, grads, batch = _dense_problem()
     model = _dense_model(w0, extra_float=extra_float)
-    model.compile(optimizer or CaseOptimizer(Bop(threshold=THRESHOLD, gamma=GAMMA),
-                                             keras.optimizers.Adam(1e-2)), "mse")
+    model.compile(
+        optimizer
+        or CaseOptimizer(Bop(threshold=THRESHOLD, gamma=GAMMA), keras.optimizers.Adam(1e-2)),
+        "mse",
+    )
     model.fit(x[:steps_x], t[:steps_x], batch_size=batch, shuffle=False, verbose=0)
     return model, x, t, batch
 
@@ -355,13 +380,13 @@ def test_tf_train_checkpoint_round_trip(build_first, tmp_path):
     """Restored into a built optimizer, or before it is built (TF restores
     the variables when fit creates them)."""
     model, x, t, batch = _trained(16)
-    path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
-        str(tmp_path / "ckpt"))
+    path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(str(tmp_path / "ckpt"))
     expected = _continue(model, x, t, batch)
 
     fresh = _dense_model(np.zeros((6, 5), "float32") + 0.5, extra_float=True)
-    fresh.compile(CaseOptimizer(Bop(threshold=THRESHOLD, gamma=GAMMA),
-                                keras.optimizers.Adam(1e-2)), "mse")
+    fresh.compile(
+        CaseOptimizer(Bop(threshold=THRESHOLD, gamma=GAMMA), keras.optimizers.Adam(1e-2)), "mse"
+    )
     if build_first:
         fresh.optimizer.build(fresh.trainable_variables)
     status = tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer).restore(path)
@@ -412,6 +437,7 @@ def test_learning_rate_is_the_default_optimizers():
 
 # ---- mixed precision ----
 
+
 @pytest.fixture
 def mixed_float16():
     keras.mixed_precision.set_global_policy("mixed_float16")
@@ -433,8 +459,9 @@ def test_fit_under_mixed_float16_wraps_in_loss_scaling(mixed_float16):
     # margin check keeps every flip decision far from the boundary.
     trajectory = np_reference(w0, grads, GAMMA, THRESHOLD)
     np.testing.assert_array_equal(kernel.numpy(), trajectory[-1][0])
-    np.testing.assert_allclose(opt.binary._momentums[0].numpy(), trajectory[-1][1],
-                               rtol=2e-2, atol=2e-4)
+    np.testing.assert_allclose(
+        opt.binary._momentums[0].numpy(), trajectory[-1][1], rtol=2e-2, atol=2e-4
+    )
     assert int(opt.binary.iterations) == STEPS
 
 
@@ -523,8 +550,13 @@ def _distributed(mode, tmp_path):
     out = tmp_path / f"{mode}.npz"
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     env.pop("TF_CONFIG", None)
-    run = subprocess.run([sys.executable, str(script), mode, str(out)], env=env,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, str(script), mode, str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     return np.load(out)
 
@@ -540,30 +572,34 @@ def test_mirrored_strategy_matches_single_device(mode, single_device, tmp_path):
     assert int(single["flips"]) > 0
     assert int(mirrored["replicas"]) == 2 and int(mirrored["momentum_replicas"]) == 2
     assert list(mirrored["steps"]) == list(single["steps"]) == [4, 4]
-    weights = sorted((k for k in single.files if k.startswith("arr_")),
-                     key=lambda k: int(k[4:]))
+    weights = sorted((k for k in single.files if k.startswith("arr_")), key=lambda k: int(k[4:]))
     np.testing.assert_array_equal(mirrored["arr_2"], single["arr_2"])  # binary kernel
     assert set(np.unique(single["arr_2"])) == {-1.0, 1.0}
     for key in weights + ["momentum"]:
         # replicas sum gradients in another order: float rounding
-        np.testing.assert_allclose(mirrored[key], single[key], rtol=0,
-                                   atol=1e-5 * (1 + np.abs(single[key]).max()))
+        np.testing.assert_allclose(
+            mirrored[key], single[key], rtol=0, atol=1e-5 * (1 + np.abs(single[key]).max())
+        )
 
 
 # ---- misuse ----
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"threshold": -1e-8}, "threshold must be"),
-    ({"threshold": float("nan")}, "threshold must be"),
-    ({"threshold": "1e-8"}, "threshold must be"),
-    ({"gamma": 0.0}, r"gamma .* \(0, 1\]"),
-    ({"gamma": 1.5}, r"gamma .* \(0, 1\]"),
-    ({"gamma": -1e-4}, r"gamma .* \(0, 1\]"),
-    ({"gamma": True}, r"gamma .* \(0, 1\]"),
-    ({"learning_rate": 0.1}, "step size is gamma"),
-    ({"weight_decay": 1e-4}, "CaseOptimizer"),
-    ({"use_ema": True}, "CaseOptimizer"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"threshold": -1e-8}, "threshold must be"),
+        ({"threshold": float("nan")}, "threshold must be"),
+        ({"threshold": "1e-8"}, "threshold must be"),
+        ({"gamma": 0.0}, r"gamma .* \(0, 1\]"),
+        ({"gamma": 1.5}, r"gamma .* \(0, 1\]"),
+        ({"gamma": -1e-4}, r"gamma .* \(0, 1\]"),
+        ({"gamma": True}, r"gamma .* \(0, 1\]"),
+        ({"learning_rate": 0.1}, "step size is gamma"),
+        ({"weight_decay": 1e-4}, "CaseOptimizer"),
+        ({"use_ema": True}, "CaseOptimizer"),
+    ],
+)
 def test_bop_bad_arguments(kwargs, match):
     with pytest.raises(tapehook.TapehookError, match=match):
         Bop(**kwargs)
@@ -575,8 +611,9 @@ def test_bop_edges_are_accepted():
 
 def test_bop_on_a_float_variable_names_case_optimizer():
     var = tf.Variable(np.ones((3, 3, 2, 2), "float32"), name="float_kernel")
-    with pytest.raises(tapehook.TapehookError, match="float_kernel.*not marked binary.*"
-                                                    "CaseOptimizer"):
+    with pytest.raises(
+        tapehook.TapehookError, match="float_kernel.*not marked binary.*CaseOptimizer"
+    ):
         Bop().apply_gradients([(tf.ones((3, 3, 2, 2)), var)])
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     model.compile(Bop(), "mse")
@@ -600,7 +637,8 @@ def test_case_optimizer_bad_arguments():
         CaseOptimizer((lambda v: True, "sgd"), default_optimizer=sgd)
     with pytest.warns(UserWarning, match="lost.*not trained"):
         CaseOptimizer((lambda v: v.shape.rank == 1, sgd)).build(
-            [tf.Variable([1.0], name="kept"), tf.Variable(1.0, name="lost")])
+            [tf.Variable([1.0], name="kept"), tf.Variable(1.0, name="lost")]
+        )
 
 
 def test_case_optimizer_needs_a_binary_variable():
@@ -610,8 +648,9 @@ def test_case_optimizer_needs_a_binary_variable():
 
 
 def test_predicates_claiming_one_variable_twice():
-    opt = CaseOptimizer((lambda v: True, keras.optimizers.SGD()),
-                        (lambda v: True, keras.optimizers.SGD()))
+    opt = CaseOptimizer(
+        (lambda v: True, keras.optimizers.SGD()), (lambda v: True, keras.optimizers.SGD())
+    )
     with pytest.raises(tapehook.TapehookError, match="claimed by the predicates"):
         opt.build([tf.Variable(1.0)])
 
@@ -623,19 +662,20 @@ def test_marks_changed_after_build_are_refused():
     opt.apply_gradients([(tf.constant(grads[0]), binary), (tf.constant(grads[0]), floating)])
     tapehook.mark_binary(floating)
     with pytest.raises(tapehook.TapehookError, match="became binary after.*built"):
-        opt.apply_gradients([(tf.constant(grads[1]), binary),
-                             (tf.constant(grads[1]), floating)])
+        opt.apply_gradients([(tf.constant(grads[1]), binary), (tf.constant(grads[1]), floating)])
     with pytest.raises(tapehook.TapehookError, match="not among the variables"):
         opt.apply_gradients([(tf.constant(grads[1]), tf.Variable(w0))])
 
 
 # ---- WeightClip ----
 
+
 @pytest.mark.parametrize("clip", [1.0, 0.5, 2])
 def test_weight_clip_matches_numpy(clip):
     w = np.random.default_rng(0).normal(size=(3, 3, 2, 4)).astype("float32") * 2
-    np.testing.assert_array_equal(np.asarray(WeightClip(clip)(tf.constant(w))),
-                                  np.clip(w, -clip, clip))
+    np.testing.assert_array_equal(
+        np.asarray(WeightClip(clip)(tf.constant(w))), np.clip(w, -clip, clip)
+    )
     assert WeightClip(clip).get_config() == {"clip_value": float(clip)}
 
 
@@ -667,16 +707,18 @@ def test_weight_clip_bad_values(clip):
 
 # ---- the example ----
 
+
 @pytest.mark.parametrize("recipe", ["quicknet", "two_stage"])
+@pytest.mark.slow
 def test_quicknet_digits_example(recipe, capsys):
     import importlib.util
     import pathlib
+
     path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "quicknet_digits.py"
     spec = importlib.util.spec_from_file_location("quicknet_digits", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    results = module.main(["--recipes", recipe, "--epochs", "2", "--size", "8",
-                           "--verbose", "0"])
+    results = module.main(["--recipes", recipe, "--epochs", "2", "--size", "8", "--verbose", "0"])
     accuracy, flipped = results[recipe]
     out = capsys.readouterr().out
     assert accuracy > 0.5 and flipped > 0

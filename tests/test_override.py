@@ -10,12 +10,13 @@ import threading
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.python.eager import context
 
 import tapehook
 from tapehook import override, reference, registry
 from tapehook.compat import execute
-from tensorflow.python.eager import context
 from tapehook.override import override_gradient
+
 from conftest import MODE_NAMES, assert_close, run_mode
 
 RNG = np.random.default_rng(7)
@@ -59,8 +60,8 @@ def _loss(y, g):
 
 def _override_mode(mode):
     def run(forward, scope, x, w0, g, prepare):
-        return run_mode(mode, x, w0, g, forward, prepare=prepare, scope=scope,
-                        loss=_loss)
+        return run_mode(mode, x, w0, g, forward, prepare=prepare, scope=scope, loss=_loss)
+
     return run
 
 
@@ -94,8 +95,9 @@ def _no_scope_left():
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_relu_override_in_every_mode(mode):
-    y, dx, dw = MODES[mode](relu_of_product, override_gradient("Relu", soft_relu_grad),
-                            X0, W0, G, no_mark)
+    y, dx, dw = MODES[mode](
+        relu_of_product, override_gradient("Relu", soft_relu_grad), X0, W0, G, no_mark
+    )
     x, w, g = X0.numpy(), W0.numpy(), G.numpy()
     u = x * w
     du = expected_soft_relu(u, g)
@@ -107,8 +109,9 @@ def test_relu_override_in_every_mode(mode):
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_registered_gradient_without_scope(mode):
     """The same runs with no scope give TF's Relu gradient (the control)."""
-    _, dx, dw = MODES[mode](relu_of_product, override_gradient("Tanh", scaled(9.0)),
-                            X0, W0, G, no_mark)
+    _, dx, dw = MODES[mode](
+        relu_of_product, override_gradient("Tanh", scaled(9.0)), X0, W0, G, no_mark
+    )
     x, w, g = X0.numpy(), W0.numpy(), G.numpy()
     du = g * (x * w > 0)
     assert_close(dx, du * w)
@@ -124,17 +127,23 @@ def reference_binary_grads(dy_of_y):
     with tf.GradientTape() as tape:
         tape.watch([CONV_X, CONV_W])
         y = reference.binary_conv2d(CONV_X, CONV_W, spec)
-    dx, dw = tape.gradient(y, [CONV_X, CONV_W],
-                           output_gradients=tf.constant(dy_of_y(y.numpy()), tf.float32))
+    dx, dw = tape.gradient(
+        y, [CONV_X, CONV_W], output_gradients=tf.constant(dy_of_y(y.numpy()), tf.float32)
+    )
     return y, dx, dw
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_relu_override_around_binary_conv(mode):
     """A Relu override leaves the binary conv's gradient binary."""
-    y, dx, dw = MODES[mode](lambda x, w: tf.nn.relu(binary_conv(x, w)),
-                            override_gradient("Relu", soft_relu_grad),
-                            CONV_X, CONV_W, CONV_G, tapehook.mark_binary)
+    y, dx, dw = MODES[mode](
+        lambda x, w: tf.nn.relu(binary_conv(x, w)),
+        override_gradient("Relu", soft_relu_grad),
+        CONV_X,
+        CONV_W,
+        CONV_G,
+        tapehook.mark_binary,
+    )
     g = CONV_G.numpy()
     ry, rdx, rdw = reference_binary_grads(lambda yc: expected_soft_relu(yc, g))
     assert_close(y, np.maximum(ry, 0))
@@ -152,8 +161,14 @@ def stock_conv2d_grad(op, grad):
 def test_conv2d_override_wins_over_binary_gradient(mode):
     """Overriding Conv2D itself: the binary forward keeps, the gradient is the
     override's (here TF's float gradient through the latent weights)."""
-    y, dx, dw = MODES[mode](binary_conv, override_gradient("Conv2D", stock_conv2d_grad),
-                            CONV_X, CONV_W, CONV_G, tapehook.mark_binary)
+    y, dx, dw = MODES[mode](
+        binary_conv,
+        override_gradient("Conv2D", stock_conv2d_grad),
+        CONV_X,
+        CONV_W,
+        CONV_G,
+        tapehook.mark_binary,
+    )
     with tf.GradientTape() as tape:
         tape.watch([CONV_X, CONV_W])
         float_y = tf.nn.conv2d(CONV_X, CONV_W, strides=1, padding="SAME")
@@ -192,8 +207,9 @@ def nested_forward(x, w):
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_nested_scopes(mode):
-    _, dx, dw = MODES[mode](nested_forward, override_gradient("Relu", scaled(2.0)),
-                            X0, W0, G, no_mark)
+    _, dx, dw = MODES[mode](
+        nested_forward, override_gradient("Relu", scaled(2.0)), X0, W0, G, no_mark
+    )
     x, w, g = X0.numpy(), W0.numpy(), G.numpy()
     u = x * w
     du = g * (2 + 10 * u + 3 + 2 * u + 2)
@@ -210,8 +226,10 @@ def test_ops_outside_the_scope_keep_the_registered_gradient_bit_for_bit():
                 with override_gradient("Relu", scaled(5.0)):
                     inside = tf.nn.relu(u)
             outside = tf.nn.relu(u) + tf.tanh(u)
-        return (tape.gradient(outside, u, output_gradients=G),
-                tape.gradient(inside, u, output_gradients=G) if with_scope else None)
+        return (
+            tape.gradient(outside, u, output_gradients=G),
+            tape.gradient(inside, u, output_gradients=G) if with_scope else None,
+        )
 
     plain, _ = run(with_scope=False)
     outside, inside = run(with_scope=True)
@@ -330,8 +348,9 @@ def test_wrong_number_of_gradients_raises():
         tape.gradient(y, u)
 
 
-@pytest.mark.parametrize("op_type, grad_fn", [("", scaled(1.0)), (None, scaled(1.0)),
-                                              ("Relu", "not callable")])
+@pytest.mark.parametrize(
+    "op_type, grad_fn", [("", scaled(1.0)), (None, scaled(1.0)), ("Relu", "not callable")]
+)
 def test_bad_arguments_raise(op_type, grad_fn):
     with pytest.raises(tapehook.TapehookError, match="override_gradient"):
         override_gradient(op_type, grad_fn)

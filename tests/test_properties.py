@@ -11,27 +11,31 @@ import tensorflow as tf
 from hypothesis import strategies as st
 
 import tapehook
+
 from conftest import assert_close, reference_result
 
 SEED = int(os.environ.get("TAPEHOOK_PROPERTY_SEED", "20261130"))
 CASES = int(os.environ.get("TAPEHOOK_PROPERTY_CASES", "500"))
 _seen = []
 
+
 @st.composite
 def specs(draw):
     """Every BinarySpec field, the recipe knobs included (weights=False needs a
     binary input and no scale)."""
-    activations = draw(st.sampled_from([False, True, "ste_sign", "approx_sign",
-                                        "swish_sign"]))
+    activations = draw(st.sampled_from([False, True, "ste_sign", "approx_sign", "swish_sign"]))
     weights = True if activations is False else draw(st.sampled_from([True, True, False]))
     clip = draw(st.sampled_from([0.5, 1.0, 1.7, 0.1, None]))
     return tapehook.BinarySpec(
-        activations=activations, weights=weights,
+        activations=activations,
+        weights=weights,
         scale=draw(st.sampled_from([None, "mean_abs"])) if weights else None,
         ste=draw(st.sampled_from(["ste_sign", "approx_sign", "swish_sign"])),
-        clip=clip, pad_value=draw(st.sampled_from([0.0, 0.0, 1.0])),
+        clip=clip,
+        pad_value=draw(st.sampled_from([0.0, 0.0, 1.0])),
         beta=draw(st.sampled_from([5.0, 5.0, 2.5])),
-        activation_clip=draw(st.sampled_from([clip, clip, 0.6, None])))
+        activation_clip=draw(st.sampled_from([clip, clip, 0.6, None])),
+    )
 
 
 @st.composite
@@ -43,17 +47,27 @@ def convs(draw):
     pads = draw(st.lists(st.integers(0, 3), min_size=4, max_size=4))
     min_h, min_w = (kh - 1) * dil + 1, (kw - 1) * dil + 1
     return dict(
-        batch=draw(st.integers(1, 3)), h=draw(st.integers(min_h, min_h + 7)),
-        w=draw(st.integers(min_w, min_w + 7)), cin=draw(st.integers(1, 9)),
-        cout=draw(st.integers(1, 9)), kh=kh, kw=kw, stride=stride, dil=dil,
-        padding=padding, pads=pads, spec=draw(specs()),
+        batch=draw(st.integers(1, 3)),
+        h=draw(st.integers(min_h, min_h + 7)),
+        w=draw(st.integers(min_w, min_w + 7)),
+        cin=draw(st.integers(1, 9)),
+        cout=draw(st.integers(1, 9)),
+        kh=kh,
+        kw=kw,
+        stride=stride,
+        dil=dil,
+        padding=padding,
+        pads=pads,
+        spec=draw(specs()),
         dtype=draw(st.sampled_from([tf.float32, tf.float32, tf.float64, tf.float16])),
         mode=draw(st.sampled_from(["eager", "function", "v1_graph"])),
-        seed=draw(st.integers(0, 2**31 - 1)))
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
 
 
 def _run(c, x, w0, g, strides, padding, dilations):
     """(y, dx, dw) through tapehook in the case's execution mode."""
+
     def forward_and_grads(x, w, g):
         with tf.GradientTape() as tape:
             tape.watch(x)
@@ -75,9 +89,15 @@ def _run(c, x, w0, g, strides, padding, dilations):
     return forward_and_grads(x, w, g)
 
 
-@hypothesis.settings(max_examples=CASES, deadline=None, derandomize=False, database=None,
-                     suppress_health_check=list(hypothesis.HealthCheck),
-                     print_blob=True)
+@pytest.mark.slow
+@hypothesis.settings(
+    max_examples=CASES,
+    deadline=None,
+    derandomize=False,
+    database=None,
+    suppress_health_check=list(hypothesis.HealthCheck),
+    print_blob=True,
+)
 @hypothesis.seed(SEED)
 @hypothesis.given(c=convs())
 def test_generated_convs_match_reference(c):
@@ -87,16 +107,19 @@ def test_generated_convs_match_reference(c):
     w0 = tf.constant(rng.normal(size=(c["kh"], c["kw"], c["cin"], c["cout"])), c["dtype"])
     if c["padding"] == "EXPLICIT":
         t, b, l, r = c["pads"]
-        padding, conv = [[0, 0], [t, b], [l, r], [0, 0]], dict(
-            padding="EXPLICIT", explicit_paddings=[0, 0, t, b, l, r, 0, 0])
+        padding, conv = (
+            [[0, 0], [t, b], [l, r], [0, 0]],
+            dict(padding="EXPLICIT", explicit_paddings=[0, 0, t, b, l, r, 0, 0]),
+        )
     else:
         padding, conv = c["padding"], dict(padding=c["padding"])
     strides, dilations = [1, c["stride"], c["stride"], 1], [1, c["dil"], c["dil"], 1]
     y_shape = tf.nn.conv2d(x, w0, strides, padding, dilations=dilations).shape
     g = tf.constant(rng.normal(size=y_shape), tf.float64)
     y, dx, dw = _run(c, x, w0, g, strides, padding, dilations)
-    ry, rdx, rdw = reference_result(x, w0, c["spec"], g, strides=strides,
-                                    dilations=dilations, **conv)
+    ry, rdx, rdw = reference_result(
+        x, w0, c["spec"], g, strides=strides, dilations=dilations, **conv
+    )
     assert_close(y, ry, c["dtype"], "forward")
     assert_close(dx, rdx, c["dtype"], "dX")
     assert_close(dw, rdw, c["dtype"], "dW")
@@ -104,8 +127,10 @@ def test_generated_convs_match_reference(c):
 
 def test_property_run_covered_every_mode():
     """Runs after the property test (file order): report count and seed."""
-    print(f"\nproperty cases: {len(_seen)}, seed {SEED}, modes "
-          f"{ {m: _seen.count(m) for m in sorted(set(_seen))} }")
+    print(
+        f"\nproperty cases: {len(_seen)}, seed {SEED}, modes "
+        f"{ {m: _seen.count(m) for m in sorted(set(_seen))} }"
+    )
     if not _seen:
         pytest.skip("the property test did not run in this session")
     assert len(_seen) >= min(CASES, 500) and set(_seen) == {"eager", "function", "v1_graph"}

@@ -7,8 +7,19 @@ import tensorflow as tf
 
 import tapehook
 from tapehook import kernels, reference
-from conftest import (MODES, SPEC_IDS, SPECS, assert_close, np_estimator_grad, np_sign,
-                      random_inputs, reference_result, spec_kwargs, upstream)
+
+from conftest import (
+    MODES,
+    SPEC_IDS,
+    SPECS,
+    assert_close,
+    np_estimator_grad,
+    np_sign,
+    random_inputs,
+    reference_result,
+    spec_kwargs,
+    upstream,
+)
 
 
 def numpy_binary_conv(x, w, g, spec, stride, pads, dil):
@@ -41,18 +52,23 @@ def numpy_binary_conv(x, w, g, spec, stride, pads, dil):
                             y[b, i, j] += pad @ what[a, c]
                             dwh[a, c] += np.outer(pad, g[b, i, j])
     dx = dxh * np_estimator_grad(act, x, spec.activation_clip, spec.beta) if act else dxh
-    dw = (dwh * alpha * np_estimator_grad(spec.ste, w, spec.clip, spec.beta)
-          if spec.weights else dwh)
+    dw = dwh * alpha * np_estimator_grad(spec.ste, w, spec.clip, spec.beta) if spec.weights else dwh
     return y, dx, dw
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
-@pytest.mark.parametrize("stride,pads,dil", [(1, (1, 1, 1, 1), 1), (2, (0, 2, 1, 0), 1),
-                                             (1, (2, 2, 2, 2), 2), (2, (0, 0, 0, 0), 1)])
+@pytest.mark.parametrize(
+    "stride,pads,dil",
+    [(1, (1, 1, 1, 1), 1), (2, (0, 2, 1, 0), 1), (1, (2, 2, 2, 2), 2), (2, (0, 0, 0, 0), 1)],
+)
 def test_reference_matches_numpy(spec, stride, pads, dil):
     x, w = random_inputs((2, 6, 7, 3), (3, 2, 3, 4), tf.float64, seed=stride + dil)
-    conv = dict(padding="EXPLICIT", explicit_paddings=[0, 0, *pads, 0, 0],
-                strides=[1, stride, stride, 1], dilations=[1, dil, dil, 1])
+    conv = dict(
+        padding="EXPLICIT",
+        explicit_paddings=[0, 0, *pads, 0, 0],
+        strides=[1, stride, stride, 1],
+        dilations=[1, dil, dil, 1],
+    )
     y0 = reference.binary_conv2d(x, w, spec, **conv)
     g = upstream(y0.shape, tf.float64)
     y, dx, dw = reference_result(x, w, spec, g, **conv)
@@ -68,8 +84,7 @@ def test_forced_reference_path(mode, spec):
     kernels.force_reference(True)
     x, w0 = random_inputs((2, 5, 5, 3), (3, 3, 3, 4))
     g = upstream((2, 5, 5, 4), tf.float32)
-    y, dx, dw = MODES[mode](x, w0, g, {},
-                            lambda w: tapehook.mark_binary(w, **spec_kwargs(spec)))
+    y, dx, dw = MODES[mode](x, w0, g, {}, lambda w: tapehook.mark_binary(w, **spec_kwargs(spec)))
     ry, rdx, rdw = reference_result(x, w0, spec, g)
     assert_close(y, ry, what="forward")
     assert_close(dx, rdx, what="dX")

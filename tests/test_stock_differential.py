@@ -19,8 +19,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorflow.python.ops import (gen_array_ops, gen_math_ops, gen_nn_ops, nn_impl,
-                                   nn_ops)
+from tensorflow.python.ops import gen_array_ops, gen_math_ops, gen_nn_ops, nn_impl, nn_ops
 
 import tapehook
 from tapehook import marks, patches
@@ -54,121 +53,213 @@ class Case:
 
 CASES = [
     Case("nn.conv1d", lambda x, f: tf.nn.conv1d(x, f, 1, "SAME"), (X1, F1)),
-    Case("nn.conv1d_dilated", lambda x, f: tf.nn.conv1d(x, f, 1, "SAME", dilations=2),
-         (X1, F1)),
+    Case("nn.conv1d_dilated", lambda x, f: tf.nn.conv1d(x, f, 1, "SAME", dilations=2), (X1, F1)),
     Case("nn.conv2d", lambda x, f: tf.nn.conv2d(x, f, 2, "VALID"), (X2, F2)),
-    Case("nn.conv2d_kw", lambda x, f: tf.nn.conv2d(input=x, filters=f, strides=[1, 1],
-                                                   padding=[[0, 0], [1, 2], [0, 1], [0, 0]]),
-         (X2, F2)),
-    Case("nn.conv2d_dilated", lambda x, f: tf.nn.conv2d(x, f, 1, "SAME", dilations=2),
-         (X2, F2)),
+    Case(
+        "nn.conv2d_kw",
+        lambda x, f: tf.nn.conv2d(
+            input=x, filters=f, strides=[1, 1], padding=[[0, 0], [1, 2], [0, 1], [0, 0]]
+        ),
+        (X2, F2),
+    ),
+    Case("nn.conv2d_dilated", lambda x, f: tf.nn.conv2d(x, f, 1, "SAME", dilations=2), (X2, F2)),
     Case("nn.conv3d", lambda x, f: tf.nn.conv3d(x, f, [1, 1, 1, 1, 1], "SAME"), (X3, F3)),
     Case("nn.convolution", lambda x, f: tf.nn.convolution(x, f, padding="SAME"), (X2, F2)),
-    Case("nn.convolution_dil_int", lambda x, f: tf.nn.convolution(x, f, padding="SAME",
-                                                                   dilations=2), (X2, F2)),
-    Case("nn.convolution_dil_ndarray",
-         lambda x, f: tf.nn.convolution(x, f, padding="VALID", dilations=np.array([1, 1])),
-         (X2, F2)),
-    Case("nn.convolution_dil_ndarray2",
-         lambda x, f: tf.nn.convolution(x, f, padding="SAME", dilations=np.array([2, 1])),
-         (X2, F2)),
-    Case("nn.convolution_1d_dil", lambda x, f: tf.nn.convolution(x, f, padding="SAME",
-                                                                 dilations=[2]), (X1, F1)),
-    Case("nn.convolution_3d_dil", lambda x, f: tf.nn.convolution(x, f, padding="SAME",
-                                                                 dilations=2), (X3, F3)),
-    Case("v1.nn.convolution", lambda x, f: tf.compat.v1.nn.convolution(
-        x, f, "SAME", dilation_rate=(2, 2)), (X2, F2)),
-    Case("nn.atrous_conv2d", lambda x, f: tf.nn.atrous_conv2d(x, f, rate=2, padding="SAME"),
-         (X2, F2)),
-    Case("nn.atrous_conv2d_rate1", lambda x, f: tf.nn.atrous_conv2d(x, f, 1, "VALID"),
-         (X2, F2)),
-    Case("nn.depthwise_conv2d", lambda x, f: tf.nn.depthwise_conv2d(
-        x, f, [1, 1, 1, 1], "SAME"), (X2, DW)),
-    Case("nn.depthwise_conv2d_dil", lambda x, f: tf.nn.depthwise_conv2d(
-        x, f, [1, 1, 1, 1], "SAME", dilations=[2, 2]), (X2, DW)),
-    Case("v1.nn.depthwise_conv2d_rate", lambda x, f: tf.compat.v1.nn.depthwise_conv2d(
-        x, f, [1, 1, 1, 1], "VALID", rate=[2, 1]), (X2, DW)),
-    Case("nn.separable_conv2d", lambda x, d, p: tf.nn.separable_conv2d(
-        x, d, p, [1, 1, 1, 1], "SAME"), (X2, DW, PW)),
-    Case("nn.separable_conv2d_dil", lambda x, d, p: tf.nn.separable_conv2d(
-        x, d, p, [1, 1, 1, 1], "SAME", dilations=[2, 2]), (X2, DW, PW)),
-    Case("v1.nn.separable_conv2d", lambda x, d, p: tf.compat.v1.nn.separable_conv2d(
-        x, d, p, [1, 1, 1, 1], "VALID", rate=[2, 2]), (X2, DW, PW)),
-    Case("nn.conv2d_transpose", lambda x, f: tf.nn.conv2d_transpose(
-        x, f, [2, 16, 16, 5], 2, "SAME"), (X2, FT2)),
-    Case("nn.conv1d_transpose", lambda x, f: tf.nn.conv1d_transpose(
-        x, f, [2, 9, 5], 1, "SAME"), (X1, FT1)),
+    Case(
+        "nn.convolution_dil_int",
+        lambda x, f: tf.nn.convolution(x, f, padding="SAME", dilations=2),
+        (X2, F2),
+    ),
+    Case(
+        "nn.convolution_dil_ndarray",
+        lambda x, f: tf.nn.convolution(x, f, padding="VALID", dilations=np.array([1, 1])),
+        (X2, F2),
+    ),
+    Case(
+        "nn.convolution_dil_ndarray2",
+        lambda x, f: tf.nn.convolution(x, f, padding="SAME", dilations=np.array([2, 1])),
+        (X2, F2),
+    ),
+    Case(
+        "nn.convolution_1d_dil",
+        lambda x, f: tf.nn.convolution(x, f, padding="SAME", dilations=[2]),
+        (X1, F1),
+    ),
+    Case(
+        "nn.convolution_3d_dil",
+        lambda x, f: tf.nn.convolution(x, f, padding="SAME", dilations=2),
+        (X3, F3),
+    ),
+    Case(
+        "v1.nn.convolution",
+        lambda x, f: tf.compat.v1.nn.convolution(x, f, "SAME", dilation_rate=(2, 2)),
+        (X2, F2),
+    ),
+    Case(
+        "nn.atrous_conv2d", lambda x, f: tf.nn.atrous_conv2d(x, f, rate=2, padding="SAME"), (X2, F2)
+    ),
+    Case("nn.atrous_conv2d_rate1", lambda x, f: tf.nn.atrous_conv2d(x, f, 1, "VALID"), (X2, F2)),
+    Case(
+        "nn.depthwise_conv2d",
+        lambda x, f: tf.nn.depthwise_conv2d(x, f, [1, 1, 1, 1], "SAME"),
+        (X2, DW),
+    ),
+    Case(
+        "nn.depthwise_conv2d_dil",
+        lambda x, f: tf.nn.depthwise_conv2d(x, f, [1, 1, 1, 1], "SAME", dilations=[2, 2]),
+        (X2, DW),
+    ),
+    Case(
+        "v1.nn.depthwise_conv2d_rate",
+        lambda x, f: tf.compat.v1.nn.depthwise_conv2d(x, f, [1, 1, 1, 1], "VALID", rate=[2, 1]),
+        (X2, DW),
+    ),
+    Case(
+        "nn.separable_conv2d",
+        lambda x, d, p: tf.nn.separable_conv2d(x, d, p, [1, 1, 1, 1], "SAME"),
+        (X2, DW, PW),
+    ),
+    Case(
+        "nn.separable_conv2d_dil",
+        lambda x, d, p: tf.nn.separable_conv2d(x, d, p, [1, 1, 1, 1], "SAME", dilations=[2, 2]),
+        (X2, DW, PW),
+    ),
+    Case(
+        "v1.nn.separable_conv2d",
+        lambda x, d, p: tf.compat.v1.nn.separable_conv2d(
+            x, d, p, [1, 1, 1, 1], "VALID", rate=[2, 2]
+        ),
+        (X2, DW, PW),
+    ),
+    Case(
+        "nn.conv2d_transpose",
+        lambda x, f: tf.nn.conv2d_transpose(x, f, [2, 16, 16, 5], 2, "SAME"),
+        (X2, FT2),
+    ),
+    Case(
+        "nn.conv1d_transpose",
+        lambda x, f: tf.nn.conv1d_transpose(x, f, [2, 9, 5], 1, "SAME"),
+        (X1, FT1),
+    ),
     Case("ops.conv", lambda x, f: keras.ops.conv(x, f, dilation_rate=2), (X2, F2)),
     Case("ops.conv_same", lambda x, f: keras.ops.conv(x, f, 2, "same"), (X2, F2)),
     Case("ops.conv_1d", lambda x, f: keras.ops.conv(x, f, dilation_rate=2), (X1, F1)),
-    Case("ops.depthwise_conv", lambda x, f: keras.ops.depthwise_conv(
-        x, f, padding="same", dilation_rate=2), (X2, DW)),
-    Case("ops.separable_conv", lambda x, d, p: keras.ops.separable_conv(
-        x, d, p, padding="same"), (X2, DW, PW)),
-    Case("ops.conv_transpose", lambda x, f: keras.ops.conv_transpose(x, f, 2, "same"),
-         (X2, FT2)),
+    Case(
+        "ops.depthwise_conv",
+        lambda x, f: keras.ops.depthwise_conv(x, f, padding="same", dilation_rate=2),
+        (X2, DW),
+    ),
+    Case(
+        "ops.separable_conv",
+        lambda x, d, p: keras.ops.separable_conv(x, d, p, padding="same"),
+        (X2, DW, PW),
+    ),
+    Case("ops.conv_transpose", lambda x, f: keras.ops.conv_transpose(x, f, 2, "same"), (X2, FT2)),
     Case("matmul", tf.matmul, (M, N)),
-    Case("linalg.matmul_t", lambda a, b: tf.linalg.matmul(a, b, transpose_a=True),
-         (M.T.copy(), N)),
+    Case("linalg.matmul_t", lambda a, b: tf.linalg.matmul(a, b, transpose_a=True), (M.T.copy(), N)),
     Case("matmul_batched", tf.matmul, (B3, B3b)),
-    Case("matmul_adjoint", lambda a, b: tf.matmul(a, b, adjoint_b=True), (B3, B3b.transpose(0, 2, 1).copy())),
+    Case(
+        "matmul_adjoint",
+        lambda a, b: tf.matmul(a, b, adjoint_b=True),
+        (B3, B3b.transpose(0, 2, 1).copy()),
+    ),
     Case("einsum", lambda a, b: tf.einsum("bij,bjk->bik", a, b), (B3, B3b)),
     Case("einsum_2d", lambda a, b: tf.einsum("ij,jk->ik", a, b), (M, N)),
     Case("identity", tf.identity, (M,)),
     Case("cast", lambda a: tf.cast(a, tf.float64), (M,)),
     Case("expand_dims", lambda a: tf.expand_dims(a, 1), (M,)),
-    Case("gen.conv2d_pos", lambda x, f: gen_nn_ops.conv2d(
-        x, f, [1, 1, 1, 1], "SAME", True, [], "NHWC", [1, 1, 1, 1]), (X2, F2)),
-    Case("gen.conv2d_kw", lambda x, f: gen_nn_ops.conv2d(
-        input=x, filter=f, strides=[1, 1, 1, 1], padding="VALID"), (X2, F2)),
-    Case("gen.depthwise_pos", lambda x, f: gen_nn_ops.depthwise_conv2d_native(
-        x, f, [1, 1, 1, 1], "SAME", [], "NHWC", [1, 1, 1, 1]), (X2, DW)),
-    Case("gen.depthwise_kw", lambda x, f: gen_nn_ops.depthwise_conv2d_native(
-        input=x, filter=f, strides=[1, 1, 1, 1], padding="VALID"), (X2, DW)),
+    Case(
+        "gen.conv2d_pos",
+        lambda x, f: gen_nn_ops.conv2d(x, f, [1, 1, 1, 1], "SAME", True, [], "NHWC", [1, 1, 1, 1]),
+        (X2, F2),
+    ),
+    Case(
+        "gen.conv2d_kw",
+        lambda x, f: gen_nn_ops.conv2d(input=x, filter=f, strides=[1, 1, 1, 1], padding="VALID"),
+        (X2, F2),
+    ),
+    Case(
+        "gen.depthwise_pos",
+        lambda x, f: gen_nn_ops.depthwise_conv2d_native(
+            x, f, [1, 1, 1, 1], "SAME", [], "NHWC", [1, 1, 1, 1]
+        ),
+        (X2, DW),
+    ),
+    Case(
+        "gen.depthwise_kw",
+        lambda x, f: gen_nn_ops.depthwise_conv2d_native(
+            input=x, filter=f, strides=[1, 1, 1, 1], padding="VALID"
+        ),
+        (X2, DW),
+    ),
     Case("gen.mat_mul_pos", lambda a, b: gen_math_ops.mat_mul(a, b, False, False), (M, N)),
-    Case("gen.mat_mul_kw", lambda a, b: gen_math_ops.mat_mul(a=a, b=b, transpose_b=False),
-         (M, N)),
-    Case("gen.bmm_v2_pos", lambda a, b: gen_math_ops.batch_mat_mul_v2(a, a, True, False),
-         (B3, B3b)),
-    Case("gen.bmm_v2_kw", lambda a, b: gen_math_ops.batch_mat_mul_v2(x=a, y=b, adj_y=False),
-         (B3, B3b)),
-    Case("gen.bmm_v3_pos", lambda a, b: gen_math_ops.batch_mat_mul_v3(
-        a, b, tf.float32, False, False), (B3, B3b)),
-    Case("gen.bmm_v3_kw", lambda a, b: gen_math_ops.batch_mat_mul_v3(
-        x=a, y=b, Tout=tf.float32, adj_x=False), (B3, B3b)),
+    Case("gen.mat_mul_kw", lambda a, b: gen_math_ops.mat_mul(a=a, b=b, transpose_b=False), (M, N)),
+    Case(
+        "gen.bmm_v2_pos", lambda a, b: gen_math_ops.batch_mat_mul_v2(a, a, True, False), (B3, B3b)
+    ),
+    Case(
+        "gen.bmm_v2_kw",
+        lambda a, b: gen_math_ops.batch_mat_mul_v2(x=a, y=b, adj_y=False),
+        (B3, B3b),
+    ),
+    Case(
+        "gen.bmm_v3_pos",
+        lambda a, b: gen_math_ops.batch_mat_mul_v3(a, b, tf.float32, False, False),
+        (B3, B3b),
+    ),
+    Case(
+        "gen.bmm_v3_kw",
+        lambda a, b: gen_math_ops.batch_mat_mul_v3(x=a, y=b, Tout=tf.float32, adj_x=False),
+        (B3, B3b),
+    ),
     Case("gen.identity_pos", lambda a: gen_array_ops.identity(a), (M,)),
     Case("gen.identity_kw", lambda a: gen_array_ops.identity(input=a), (M,)),
     Case("gen.cast_pos", lambda a: gen_math_ops.cast(a, tf.float64), (M,)),
-    Case("gen.cast_kw", lambda a: gen_math_ops.cast(x=a, DstT=tf.float64, Truncate=False),
-         (M,)),
+    Case("gen.cast_kw", lambda a: gen_math_ops.cast(x=a, DstT=tf.float64, Truncate=False), (M,)),
     Case("gen.expand_dims_pos", lambda a: gen_array_ops.expand_dims(a, 0), (M,)),
     Case("gen.expand_dims_kw", lambda a: gen_array_ops.expand_dims(input=a, axis=0), (M,)),
-    Case("nn_ops.convolution_internal_kw", lambda x, f: nn_ops.convolution_internal(
-        input=x, filters=f, strides=[1, 1], padding="SAME", dilations=[2, 2]), (X2, F2)),
-    Case("nn_impl.depthwise_conv2d_kw", lambda x, f: nn_impl.depthwise_conv2d(
-        input=x, filter=f, strides=[1, 1, 1, 1], padding="SAME", dilations=[2, 2]), (X2, DW)),
+    Case(
+        "nn_ops.convolution_internal_kw",
+        lambda x, f: nn_ops.convolution_internal(
+            input=x, filters=f, strides=[1, 1], padding="SAME", dilations=[2, 2]
+        ),
+        (X2, F2),
+    ),
+    Case(
+        "nn_impl.depthwise_conv2d_kw",
+        lambda x, f: nn_impl.depthwise_conv2d(
+            input=x, filter=f, strides=[1, 1, 1, 1], padding="SAME", dilations=[2, 2]
+        ),
+        (X2, DW),
+    ),
     # Calls that fail: TF's exception, type and message, must come through.
-    Case("err.conv2d_channels", lambda x, f: tf.nn.conv2d(x, f, 1, "SAME"),
-         (X2, _a(3, 3, 5, 4))),
+    Case("err.conv2d_channels", lambda x, f: tf.nn.conv2d(x, f, 1, "SAME"), (X2, _a(3, 3, 5, 4))),
     Case("err.conv2d_padding", lambda x, f: tf.nn.conv2d(x, f, 1, "FULL"), (X2, F2)),
-    Case("err.convolution_strided_dilated", lambda x, f: tf.nn.convolution(
-        x, f, strides=2, padding="SAME", dilations=2), (X2, F2)),
+    Case(
+        "err.convolution_strided_dilated",
+        lambda x, f: tf.nn.convolution(x, f, strides=2, padding="SAME", dilations=2),
+        (X2, F2),
+    ),
     Case("err.matmul_shapes", tf.matmul, (M, M)),
     Case("err.cast_missing", lambda a: gen_math_ops.cast(a), (M,)),
     Case("err.identity_extra", lambda a: gen_array_ops.identity(a, "n", 3), (M,)),
-    Case("err.expand_dims_unknown_kw", lambda a: gen_array_ops.expand_dims(a, 0, axes=1),
-         (M,)),
-    Case("err.depthwise_channels", lambda x, f: tf.nn.depthwise_conv2d(
-        x, f, [1, 1, 1, 1], "SAME", dilations=[2, 2]), (X2, _a(3, 3, 5, 2))),
+    Case("err.expand_dims_unknown_kw", lambda a: gen_array_ops.expand_dims(a, 0, axes=1), (M,)),
+    Case(
+        "err.depthwise_channels",
+        lambda x, f: tf.nn.depthwise_conv2d(x, f, [1, 1, 1, 1], "SAME", dilations=[2, 2]),
+        (X2, _a(3, 3, 5, 2)),
+    ),
 ]
 
 
 def _layer_case(name, make, x, kinds=("numpy", "tensor")):
     """A Keras layer built fresh per run (eagerly) with seeded initializers."""
+
     def build():
         layer = make()
         layer.build(x.shape)
         return layer
+
     return Case(name, lambda layer, x: layer(x), (x,), kinds, build)
 
 
@@ -177,26 +268,61 @@ def _init(seed):
 
 
 LAYER_CASES = [
-    _layer_case("keras.Conv1D", lambda: keras.layers.Conv1D(
-        4, 3, padding="same", dilation_rate=2, kernel_initializer=_init(1)), X1),
-    _layer_case("keras.Conv1D_causal", lambda: keras.layers.Conv1D(
-        4, 3, padding="causal", dilation_rate=2, kernel_initializer=_init(11)), X1),
-    _layer_case("keras.Conv2D", lambda: keras.layers.Conv2D(
-        4, 3, strides=2, padding="same", kernel_initializer=_init(2),
-        bias_initializer=_init(3)), X2),
-    _layer_case("keras.Conv2D_dilated", lambda: keras.layers.Conv2D(
-        4, 3, padding="same", dilation_rate=2, kernel_initializer=_init(4)), X2),
-    _layer_case("keras.Conv3D", lambda: keras.layers.Conv3D(
-        3, 3, padding="same", kernel_initializer=_init(5)), X3),
-    _layer_case("keras.DepthwiseConv2D", lambda: keras.layers.DepthwiseConv2D(
-        3, padding="same", dilation_rate=2, depthwise_initializer=_init(6)), X2),
-    _layer_case("keras.SeparableConv2D", lambda: keras.layers.SeparableConv2D(
-        5, 3, padding="same", depthwise_initializer=_init(7),
-        pointwise_initializer=_init(8)), X2),
-    _layer_case("keras.Conv2DTranspose", lambda: keras.layers.Conv2DTranspose(
-        5, 3, strides=2, padding="same", kernel_initializer=_init(9)), X2),
-    _layer_case("keras.Dense", lambda: keras.layers.Dense(
-        3, kernel_initializer=_init(10)), B3),
+    _layer_case(
+        "keras.Conv1D",
+        lambda: keras.layers.Conv1D(
+            4, 3, padding="same", dilation_rate=2, kernel_initializer=_init(1)
+        ),
+        X1,
+    ),
+    _layer_case(
+        "keras.Conv1D_causal",
+        lambda: keras.layers.Conv1D(
+            4, 3, padding="causal", dilation_rate=2, kernel_initializer=_init(11)
+        ),
+        X1,
+    ),
+    _layer_case(
+        "keras.Conv2D",
+        lambda: keras.layers.Conv2D(
+            4, 3, strides=2, padding="same", kernel_initializer=_init(2), bias_initializer=_init(3)
+        ),
+        X2,
+    ),
+    _layer_case(
+        "keras.Conv2D_dilated",
+        lambda: keras.layers.Conv2D(
+            4, 3, padding="same", dilation_rate=2, kernel_initializer=_init(4)
+        ),
+        X2,
+    ),
+    _layer_case(
+        "keras.Conv3D",
+        lambda: keras.layers.Conv3D(3, 3, padding="same", kernel_initializer=_init(5)),
+        X3,
+    ),
+    _layer_case(
+        "keras.DepthwiseConv2D",
+        lambda: keras.layers.DepthwiseConv2D(
+            3, padding="same", dilation_rate=2, depthwise_initializer=_init(6)
+        ),
+        X2,
+    ),
+    _layer_case(
+        "keras.SeparableConv2D",
+        lambda: keras.layers.SeparableConv2D(
+            5, 3, padding="same", depthwise_initializer=_init(7), pointwise_initializer=_init(8)
+        ),
+        X2,
+    ),
+    _layer_case(
+        "keras.Conv2DTranspose",
+        lambda: keras.layers.Conv2DTranspose(
+            5, 3, strides=2, padding="same", kernel_initializer=_init(9)
+        ),
+        X2,
+    ),
+    _layer_case("keras.Dense", lambda: keras.layers.Dense(3, kernel_initializer=_init(10)), B3),
 ]
 
 ALL_CASES = CASES + LAYER_CASES
@@ -296,7 +422,7 @@ def test_wrappers_keep_the_originals_introspection():
     wrapped = patches.patched_functions()
     assert len(wrapped) >= 13
     for owner, name in wrapped:
-        current = (vars(owner)[name] if isinstance(owner, type) else getattr(owner, name))
+        current = vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
         original = current.__wrapped__
         if isinstance(original, (classmethod, staticmethod)):
             original = original.__func__
@@ -306,9 +432,12 @@ def test_wrappers_keep_the_originals_introspection():
 
 
 def test_uninstall_restores_the_original_objects():
-    before = {(id(owner), name): (vars(owner)[name] if isinstance(owner, type)
-                                  else getattr(owner, name)).__wrapped__
-              for owner, name in patches.patched_functions()}
+    before = {
+        (id(owner), name): (
+            vars(owner)[name] if isinstance(owner, type) else getattr(owner, name)
+        ).__wrapped__
+        for owner, name in patches.patched_functions()
+    }
     owners = {(id(owner), name): owner for owner, name in patches.patched_functions()}
     patches.uninstall()
     try:
@@ -323,16 +452,19 @@ def test_uninstall_restores_the_original_objects():
         patches.install()
 
 
+@pytest.mark.slow
 def test_a_process_that_marks_nothing_runs_tf_functions_unwrapped():
     import subprocess
     import sys
 
-    code = ("import tapehook, tensorflow as tf\n"
-            "from tensorflow.python.ops import gen_math_ops, gen_nn_ops\n"
-            "from tapehook import marks\n"
-            "assert not marks.ARMED\n"
-            "assert not hasattr(gen_math_ops.mat_mul, '__wrapped__')\n"
-            "assert not hasattr(gen_nn_ops.conv2d, '__wrapped__')\n"
-            "tapehook.mark_binary(tf.Variable(tf.ones([3, 3, 2, 2])))\n"
-            "assert marks.ARMED and hasattr(gen_nn_ops.conv2d, '__wrapped__')\n")
+    code = (
+        "import tapehook, tensorflow as tf\n"
+        "from tensorflow.python.ops import gen_math_ops, gen_nn_ops\n"
+        "from tapehook import marks\n"
+        "assert not marks.ARMED\n"
+        "assert not hasattr(gen_math_ops.mat_mul, '__wrapped__')\n"
+        "assert not hasattr(gen_nn_ops.conv2d, '__wrapped__')\n"
+        "tapehook.mark_binary(tf.Variable(tf.ones([3, 3, 2, 2])))\n"
+        "assert marks.ARMED and hasattr(gen_nn_ops.conv2d, '__wrapped__')\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -67,7 +67,8 @@ REGISTER_OP("TapehookBinaryConv2D")
     .Input("input: T")
     .Input("filter: T")
     .Output("output: T")
-    .TAPEHOOK_CONV_ATTRS.Attr("cache_filter: bool = false")
+    .TAPEHOOK_CONV_ATTRS
+    .Attr("cache_filter: bool = false")
     // The rest of the spec, carried for graph gradients and SavedModels; the
     // forward does not read them. activation_clip < 0: the same as clip;
     // +inf: no mask. pad_value: what padding held (the conv itself is VALID

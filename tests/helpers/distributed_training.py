@@ -19,8 +19,7 @@ GLOBAL_BATCH, STEPS = 8, 3
 if MODE.startswith("mirrored"):
     # Two logical CPUs; must happen before TF runs anything (tapehook included).
     cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
 import keras  # noqa: E402
 
@@ -56,7 +55,8 @@ with strategy.scope():
 
 if MODE in ("mirrored_loop", "multiworker"):  # Keras 3 fit fails under MWMS itself
     dataset = strategy.experimental_distribute_dataset(
-        tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH))
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+    )
 
     @tf.function
     def step(xb, yb):
@@ -66,6 +66,7 @@ if MODE in ("mirrored_loop", "multiworker"):  # Keras 3 fit fails under MWMS its
                 loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
             grads = tape.gradient(loss, model.trainable_variables)
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
         strategy.run(replica, args=(xb, yb))
 
     for xb, yb in dataset:
@@ -73,10 +74,23 @@ if MODE in ("mirrored_loop", "multiworker"):  # Keras 3 fit fails under MWMS its
 else:
     model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
 
-marked = [bool(tapehook.binary_spec_of(l.kernel)) for l in model.layers
-          if isinstance(l, keras.layers.Conv2D)]
-components = [len(getattr(l.kernel.value, "values", [l.kernel.value])) for l in model.layers
-              if isinstance(l, keras.layers.Conv2D)]
-np.savez(OUT, *[w for w in model.get_weights()], marked=marked, components=components,
-         counts=[tapehook.dispatch_counts()["compiled"][k]
-                 for k in ("forward", "backprop_input", "backprop_filter")])
+marked = [
+    bool(tapehook.binary_spec_of(l.kernel))
+    for l in model.layers
+    if isinstance(l, keras.layers.Conv2D)
+]
+components = [
+    len(getattr(l.kernel.value, "values", [l.kernel.value]))
+    for l in model.layers
+    if isinstance(l, keras.layers.Conv2D)
+]
+np.savez(
+    OUT,
+    *[w for w in model.get_weights()],
+    marked=marked,
+    components=components,
+    counts=[
+        tapehook.dispatch_counts()["compiled"][k]
+        for k in ("forward", "backprop_input", "backprop_filter")
+    ],
+)
