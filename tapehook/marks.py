@@ -168,7 +168,7 @@ def binary_spec_of(obj):
     if var is None:
         return None
     comps = components(var)
-    return getattr(comps[0].handle, _SPEC_ATTR, None) if comps else None
+    return _attribute(comps[0].handle, _SPEC_ATTR) if comps else None
 
 
 def source_variable(obj):
@@ -180,7 +180,7 @@ def source_variable(obj):
     if isinstance(obj, _PLAIN_TYPES):
         return None
     if isinstance(obj, tf.Tensor):
-        return getattr(obj, SOURCE_ATTR, None)
+        return _attribute(obj, SOURCE_ATTR)
     return obj if is_variable(obj) else None
 
 
@@ -188,7 +188,17 @@ def read_is_tagged(var) -> bool:
     """Whether a read of the component variable ``var`` must tag its result:
     inside a binary_scope, or when ``var`` is marked (all components of a
     distributed variable carry the same mark)."""
-    return scope_active() or hasattr(var.handle, _SPEC_ATTR)
+    return scope_active() or _attribute(var.handle, _SPEC_ATTR) is not None
+
+
+def _attribute(tensor, name):
+    """``getattr(tensor, name, None)`` for the attributes tapehook sets on
+    tensors, from the instance dict: a miss through tf.Tensor.__getattr__
+    costs ~1 us, and every op of a process with marks asks."""
+    try:
+        return tensor.__dict__.get(name)
+    except AttributeError:  # no instance dict: nothing was set on it
+        return None
 
 
 def tag(tensor, variable) -> None:

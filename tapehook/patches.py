@@ -87,13 +87,23 @@ def _operand(args, kwargs, index, name):
     return args[index] if len(args) > index else kwargs.get(name)
 
 
+def _untagged_tensor(obj) -> bool:
+    """A tensor that was not read from a variable tapehook tracks: never a
+    binary kernel (marks.source_variable, inlined for every op's sake)."""
+    return isinstance(obj, tf.Tensor) and marks.SOURCE_ATTR not in obj.__dict__
+
+
 def _on_marked_operand(index, name, binary, mark=True, left=None):
     """Wrapper: calls with a marked operand ``name`` (positional ``index``) go
     to ``binary(spec, **arguments)``; a None from it means "TF's own function
     runs". ``left``: (index, name) of an operand that must not be marked."""
 
     def wrapper(wrapped, instance, args, kwargs):
-        operand = _operand(args, kwargs, index, name)
+        operand = args[index] if len(args) > index else kwargs.get(name)
+        if _untagged_tensor(operand) and (
+            left is None or _untagged_tensor(_operand(args, kwargs, *left))
+        ):
+            return wrapped(*args, **kwargs)  # the common case, kept short
         spec = marks.spec_for_use(operand, mark=mark)
         if spec is None and mark and models.layer_stack():
             spec = models.spec_for_layer_filter(marks.source_variable(operand))
