@@ -11,7 +11,7 @@ already hold, and the bytes the binary convs keep for their backward
 (computed from the shapes: float x and x_hat for larq-style, packed sign and
 mask bits for tapehook). The largest batch for a 4 GiB step budget is
 extrapolated from two batch sizes (peak growth is linear in the batch).
-Results: bench/results/memory.json, and the README.
+Results: bench/results/memory.json, and docs/performance.md (bench/table.py).
 """
 
 import argparse

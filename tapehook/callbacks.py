@@ -41,8 +41,8 @@ class FlipRatio(_Callback):
         self._kernels = [(layer.name, kernel) for layer, kernel, _ in binary_kernels(self.model)]
         if not self._kernels:
             raise TapehookError(
-                f"FlipRatio: model {self.model.name!r} has no binary Conv1D / Conv2D "
-                f"kernels; binarize or mark it before fit"
+                f"FlipRatio: model {self.model.name!r} has no binary Conv1D / Conv2D / "
+                f"DepthwiseConv2D / Dense kernels; binarize or mark it before fit"
             )
         self._signs = self._snapshot()
         self._epoch = []

@@ -15,7 +15,7 @@ best implementation the CPU can run; what the test suite checks against the
 reference) or ``stock``.
 
 ``auto`` follows bench/results/latest.json, measured in one run against stock
-TF with oneDNN on and off (README, "Speed"):
+TF with oneDNN on and off (docs/performance.md):
 
 - forward with binary activations: tapehook's bitpacked xor/popcount kernel,
   faster than stock on every measured shape;

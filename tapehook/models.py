@@ -247,7 +247,7 @@ def _module_owns(module, policy, var) -> bool:
 
 
 def binarize(target=None, /, *, include=None, exclude=None, first_and_last_float=False, **spec):
-    """Binarize the Conv1D / Conv2D kernels of a model.
+    """Binarize the Conv1D / Conv2D / DepthwiseConv2D / Dense kernels of a model.
 
     As a decorator on a keras.Model (or tf.Module) subclass, or called on an
     existing model (marked in place and returned). ``include`` / ``exclude``:

@@ -9,7 +9,7 @@ byte along the channel axis by tapehook's TapehookPackInput kernel
 reference math needs it at the input's precision, which costs as much as x
 itself, so convs with those input estimators keep x (``packable``).
 ``TAPEHOOK_PACK_INPUTS=0`` keeps x everywhere: the packing costs a pass over
-x in the forward and an unpack in the backward (README, "Speed").
+x in the forward and an unpack in the backward (docs/performance.md).
 """
 
 import dataclasses

@@ -110,7 +110,9 @@ def test_per_epoch_flip_ratio_matches_numpy():
 def test_model_without_binary_kernels_is_refused():
     model = keras.Sequential([keras.Input((4, 4, 1)), keras.layers.Conv2D(2, 3)])
     model.compile(optimizer="sgd", loss="mse")
-    with pytest.raises(tapehook.TapehookError, match="no binary Conv1D / Conv2D kernels"):
+    with pytest.raises(
+        tapehook.TapehookError, match="no binary Conv1D / Conv2D / DepthwiseConv2D / Dense kernels"
+    ):
         model.fit(
             np.zeros((2, 4, 4, 1)), np.zeros((2, 2, 2, 2)), verbose=0, callbacks=[FlipRatio()]
         )

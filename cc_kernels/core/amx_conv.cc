@@ -281,8 +281,8 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
                    kFloatD[] = {0, 1, 2, 0, 1, 0};
   const int64_t c_pairs = c_pad / 32, o_pairs = o_pad / 32;
   const int64_t units = taps * c_pairs * o_pairs;
-  // An item's columns of x and dy fill about 1 MiB of L2 (more thrashes it:
-  // 7x7x512 ran 2.3x slower with 1.6 MiB). All of K in one block lets each
+  // An item's columns of x and dy fill about 1 MiB of L2 (more thrashes it;
+  // bench/run.py's 7x7x512 dW shows it). All of K in one block lets each
   // unit's sums go straight to dW, with no partial sums through memory; it
   // may take halving the channels per item (each half then re-reads dy).
   constexpr int64_t kItemBytes = int64_t{1} << 20;

@@ -34,7 +34,7 @@ namespace tapehook {
 namespace amx {
 
 // Scratch memory is recycled between calls: a fresh multi-MiB block costs a
-// page fault per 4 KiB on first touch (about 2 us each in a VM), as much as
+// page fault per 4 KiB on first touch (microseconds each in a VM), as much as
 // the convolution itself. Blocks are returned to this pool when a call ends
 // and handed out again best-fit; at most kPoolBytes stay cached.
 class ScratchPool {
