@@ -17,6 +17,8 @@ import zipfile
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 FILES = [
     "activations_test.py",
     "callbacks_test.py",
@@ -130,8 +132,6 @@ if not hasattr(keras.optimizers.Optimizer, "lr"):
 _backend.dtype = lambda x: keras.backend.standardize_dtype(x.dtype)
 
 import json as _json
-
-pytestmark = pytest.mark.slow
 _EXCLUDED = _json.loads(EXCLUDED_JSON)
 
 
