@@ -1,0 +1,947 @@
+"""Model-level benchmark: Bi-Real-Net-18 and QuickNet-small trained with Keras
+``fit`` and run with ``predict``, tapehook against the same architecture as a
+float network, as a larq-style composite in Keras 3, and (when a side
+environment has it) larq 0.14 itself.
+
+    python bench/models.py --quick    # 112 px, each model's own estimator, 1 round (~8-15 min)
+    python bench/models.py            # 112 and 224 px, both estimators, 3 rounds (~2-3 h on 2 cores)
+    python bench/models.py --profile-only   # only the per-op-type breakdown
+    python bench/models.py --models birealnet18 --sizes 112 --batches 32 --rounds 2
+
+Implementations of one architecture (the binary 3x3 convs are the only layers
+that differ; tests/test_bench_models.py checks the parameter counts agree):
+
+- ``float``: plain Keras 3 Conv2D;
+- ``larq-style``: Keras 3 Conv2D whose convolution is stock ``tf.nn.conv2d``
+  on sign(x) and (alpha *) sign(W), each sign a ``tf.custom_gradient`` with
+  larq's pseudo-gradient, padding with +1 where the recipe pads with 1;
+- ``tapehook``: the float model's convs, kernels clipped, ``tapehook.binarize``d;
+- ``larq``: ``lq.layers.QuantConv2D`` on tf-keras (TF_USE_LEGACY_KERAS=1), run
+  with the python of a side environment (``--larq-python``; skipped when absent).
+
+Every configuration (model, implementation, estimator, size, batch) runs in
+its own subprocess; a round runs each group's configurations one after the
+other, in reversed order every other round, so a noisy neighbour hits all
+alike. Ratios are taken between configurations of the same round. Reported
+per configuration: img/s of ``fit`` (median step time of the timed steps;
+steps_per_execution 1, Keras's default) and of ``predict``, best and median
+over rounds; the whole training step's peak memory per sample, as
+bench/memory.py measures it: the process's peak resident memory (ru_maxrss)
+after the fit steps, at batch 32 minus at batch 1, over 31. A profile of one
+tapehook Bi-Real-Net-18 training step (batch 32, 112 px) gives the time per
+op type. Results: bench/results/models.json and models.png; docs/models_perf.md.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+RESULTS = HERE / "results"
+LARQ_PYTHONS = ("/tmp/larqbench/bin/python", "/tmp/larqenv/bin/python")
+CLASSES = 1000
+
+# Each model's binary-conv recipe, as larq-zoo trains it. ``estimators``: the
+# input estimators measured, the model's own first. Kernels: ste_sign with
+# ``clip`` (Bi-Real: magnitude_aware_sign = mean|W| per output channel, a
+# constant in the backward, times ste_sign), WeightClip(clip) on the latent W.
+RECIPES = {
+    "birealnet18": dict(
+        estimators=("approx_sign", "ste_sign"), clip=1.0, scale="mean_abs", pad_value=0.0
+    ),
+    "quicknet_small": dict(
+        estimators=("ste_sign", "approx_sign"), clip=1.25, scale=None, pad_value=1.0
+    ),
+}
+IMPLS = ("float", "larq-style", "tapehook", "larq")
+
+
+# ---------------------------------------------------------------------------
+# Architectures. ``K`` is the Keras module (Keras 3, or tf-keras for larq);
+# ``binary_conv(name, filters, kernel, strides, activation)`` makes the layer
+# of a binary conv. Names: binary convs are "binary<i>", nothing else starts
+# with "binary" (tapehook.binarize(include="binary*")).
+
+
+def birealnet18(K, binary_conv, size, classes=CLASSES, filters=64):
+    """Bi-Real-Net-18 (Liu et al. 2018, larq-zoo): float 7x7 stem, 16 binary
+    3x3 convs each with BN and a float shortcut (on downsampling: 2x2 average
+    pool, 1x1 conv, BN), global average pool, float classifier."""
+    L = K.layers
+    inputs = K.Input((size, size, 3))
+    x = L.Conv2D(
+        filters,
+        7,
+        strides=2,
+        padding="same",
+        use_bias=False,
+        kernel_initializer="glorot_normal",
+        name="stem",
+    )(inputs)
+    x = L.BatchNormalization(momentum=0.8)(x)
+    x = L.MaxPooling2D(3, strides=2, padding="same")(x)
+    widths = [filters] * 4 + [2 * filters] * 4 + [4 * filters] * 4 + [8 * filters] * 4
+    for i, width in enumerate(widths):
+        shortcut = x
+        strides = 1 if width == x.shape[-1] else 2
+        if strides == 2:
+            shortcut = L.AveragePooling2D(2, strides=2, padding="same")(shortcut)
+            shortcut = L.Conv2D(
+                width, 1, use_bias=False, kernel_initializer="glorot_normal", name=f"shortcut{i}"
+            )(shortcut)
+            shortcut = L.BatchNormalization(momentum=0.8)(shortcut)
+        y = binary_conv(f"binary{i}", width, 3, strides, None)(x)
+        y = L.BatchNormalization(momentum=0.8)(y)
+        x = L.Add()([y, shortcut])
+    x = L.GlobalAveragePooling2D()(x)
+    outputs = L.Dense(classes, activation="softmax", name="head")(x)
+    return K.Model(inputs, outputs, name="birealnet18")
+
+
+def _blurpool(shape, dtype=None):
+    """QuickNet's fixed 3x3 binomial blur, one per channel (depthwise)."""
+    import numpy as np
+    import tensorflow as tf
+
+    k = np.outer([1.0, 2.0, 1.0], [1.0, 2.0, 1.0])
+    k = np.broadcast_to((k / k.sum())[:, :, None, None], shape)
+    return tf.constant(k, dtype=dtype or "float32")
+
+
+def quicknet_small(
+    K, binary_conv, size, classes=CLASSES, filters=(32, 64, 256, 512), blocks=(4, 4, 4, 4)
+):
+    """QuickNet-small (larq-zoo, v1.0): stem (3x3/2 conv, BN, ReLU, 3x3/2
+    depthwise, BN, 1x1 conv, BN); per section, a float transition where the
+    width changes (ReLU, 2x2 max pool stride 1, fixed blur-pool depthwise
+    3x3/2, 1x1 conv, BN), then residual blocks x + BN(ReLU(binary 3x3 conv
+    padded with +1 (x))); ReLU, global average pool, float classifier."""
+    L = K.layers
+    inputs = K.Input((size, size, 3))
+    x = L.Conv2D(
+        filters[0] // 4,
+        3,
+        strides=2,
+        padding="same",
+        use_bias=False,
+        kernel_initializer="he_normal",
+        name="stem_conv",
+    )(inputs)
+    x = L.BatchNormalization()(x)
+    x = L.ReLU()(x)
+    x = L.DepthwiseConv2D(3, strides=2, padding="same", use_bias=False, name="stem_depthwise")(x)
+    x = L.BatchNormalization(scale=False, center=False)(x)
+    x = L.Conv2D(
+        filters[0], 1, use_bias=False, kernel_initializer="he_normal", name="stem_pointwise"
+    )(x)
+    x = L.BatchNormalization()(x)
+    i = 0
+    for section, (count, width) in enumerate(zip(blocks, filters)):
+        for layer in range(count):
+            if width != x.shape[-1]:
+                strides = 1 if section == 0 or layer != 0 else 2
+                x = L.ReLU()(x)
+                x = L.MaxPooling2D(pool_size=strides, strides=1)(x)
+                x = L.DepthwiseConv2D(
+                    3,
+                    strides=strides,
+                    padding="same",
+                    use_bias=False,
+                    depthwise_initializer=_blurpool,
+                    trainable=False,
+                    name=f"blurpool{i}",
+                )(x)
+                x = L.Conv2D(
+                    width,
+                    1,
+                    use_bias=False,
+                    kernel_initializer="glorot_normal",
+                    name=f"transition{i}",
+                )(x)
+                x = L.BatchNormalization(momentum=0.9, epsilon=1e-5)(x)
+            y = binary_conv(f"binary{i}", int(x.shape[-1]), 3, 1, "relu")(x)
+            y = L.BatchNormalization(momentum=0.9, epsilon=1e-5)(y)
+            x = L.Add()([x, y])
+            i += 1
+    x = L.ReLU()(x)
+    x = L.GlobalAveragePooling2D()(x)
+    x = L.Dense(classes, kernel_initializer="glorot_normal", name="head")(x)
+    outputs = L.Activation("softmax")(x)
+    return K.Model(inputs, outputs, name="quicknet_small")
+
+
+ARCHITECTURES = {"birealnet18": birealnet18, "quicknet_small": quicknet_small}
+
+
+# ---------------------------------------------------------------------------
+# The binary conv layer of each implementation.
+
+
+def clip_constraint(K, clip):
+    """larq's WeightClip: latent weights kept in [-clip, clip]."""
+
+    class Clip(K.constraints.Constraint):
+        def __call__(self, w):
+            import tensorflow as tf
+
+            return tf.clip_by_value(w, -clip, clip)
+
+        def get_config(self):
+            return {}
+
+    return Clip()
+
+
+def _same_pads(size, kernel, stride):
+    """TF's SAME padding (before, after) along one dimension."""
+    out = -(-size // stride)
+    total = max((out - 1) * stride + kernel - size, 0)
+    return total // 2, total - total // 2
+
+
+def larq_style_ops():
+    """larq's quantizers as tf.custom_gradient functions (larq's math)."""
+    import tensorflow as tf
+
+    def sign(t):  # larq: sign with sign(0) = +1
+        return tf.where(t >= 0, tf.ones_like(t), -tf.ones_like(t))
+
+    def ste_sign(clip):
+        @tf.custom_gradient
+        def f(t):
+            return sign(t), lambda dy: dy * tf.cast(tf.abs(t) <= clip, dy.dtype)
+
+        return f
+
+    @tf.custom_gradient
+    def approx_sign(t):
+        def grad(dy):
+            a = tf.abs(t)
+            return dy * tf.where(a <= 1, 2 - 2 * a, tf.zeros_like(a))
+
+        return sign(t), grad
+
+    return {"ste_sign": ste_sign, "approx_sign": approx_sign}
+
+
+def binary_conv_factory(K, impl, model, estimator):
+    """``binary_conv(name, filters, kernel, strides, activation)`` for ``impl``."""
+    recipe = RECIPES[model]
+    clip, scale, pad_value = recipe["clip"], recipe["scale"], recipe["pad_value"]
+
+    def common(name, filters, kernel, strides, activation):
+        return dict(
+            filters=filters,
+            kernel_size=kernel,
+            strides=strides,
+            padding="same",
+            activation=activation,
+            use_bias=False,
+            kernel_initializer="glorot_normal",
+            name=name,
+        )
+
+    if impl == "float":
+        return lambda *a: K.layers.Conv2D(**common(*a))
+    if impl == "tapehook":  # binarized after the model is built
+        return lambda *a: K.layers.Conv2D(**common(*a), kernel_constraint=clip_constraint(K, clip))
+    if impl == "larq":
+        import larq as lq
+
+        input_q = (
+            lq.quantizers.SteSign(clip_value=clip)
+            if estimator == "ste_sign"
+            else lq.quantizers.ApproxSign()
+        )
+        kernel_q = (
+            lq.quantizers.MagnitudeAwareSign(clip_value=clip)
+            if scale
+            else lq.quantizers.SteSign(clip_value=clip)
+        )
+        return lambda *a: lq.layers.QuantConv2D(
+            **common(*a),
+            input_quantizer=input_q,
+            kernel_quantizer=kernel_q,
+            kernel_constraint=lq.constraints.WeightClip(clip),
+            pad_values=pad_value,
+        )
+    if impl != "larq-style":
+        raise SystemExit(f"unknown implementation {impl!r}; use one of {IMPLS}")
+    import tensorflow as tf
+
+    ops = larq_style_ops()
+    input_q = ops["ste_sign"](clip) if estimator == "ste_sign" else ops["approx_sign"]
+    kernel_sign = ops["ste_sign"](clip)
+
+    class LarqStyleConv2D(K.layers.Conv2D):
+        def convolution_op(self, inputs, kernel):
+            w = tf.convert_to_tensor(kernel)
+            w_hat = kernel_sign(w)
+            if scale:  # magnitude_aware_sign: alpha is a constant in the backward
+                w_hat = w_hat * tf.stop_gradient(tf.reduce_mean(tf.abs(w), [0, 1, 2]))
+            x_hat = input_q(inputs)
+            padding = "SAME"
+            if pad_value:  # larq pads the binarized input with +1
+                k, s = self.kernel_size, self.strides
+                pads = [
+                    (0, 0),
+                    _same_pads(x_hat.shape[1], k[0], s[0]),
+                    _same_pads(x_hat.shape[2], k[1], s[1]),
+                    (0, 0),
+                ]
+                x_hat = tf.pad(x_hat, pads, constant_values=pad_value)
+                padding = "VALID"
+            return tf.nn.conv2d(x_hat, w_hat, list(self.strides), padding)
+
+    return lambda *a: LarqStyleConv2D(**common(*a), kernel_constraint=clip_constraint(K, clip))
+
+
+def tapehook_spec(model, estimator):
+    """tapehook.binarize keyword arguments for a model's recipe."""
+    recipe = RECIPES[model]
+    return dict(
+        activations=True if estimator == "ste_sign" else estimator,
+        ste="ste_sign",
+        clip=recipe["clip"],
+        scale=recipe["scale"],
+        pad_value=recipe["pad_value"],
+    )
+
+
+def build(K, model, impl, estimator, size, **kwargs):
+    """The model of one configuration (tapehook's binarized)."""
+    net = ARCHITECTURES[model](K, binary_conv_factory(K, impl, model, estimator), size, **kwargs)
+    if impl == "tapehook":
+        import tapehook
+
+        tapehook.binarize(net, include="binary*", **tapehook_spec(model, estimator))
+    return net
+
+
+# ---------------------------------------------------------------------------
+# Child: one configuration, in its own process.
+
+LAYER_KINDS = (  # layer-name prefix in an op's name -> where its time goes
+    ("binary", "binary conv layers (sign, masks, convs)"),
+    ("shortcut", "float shortcuts"),
+    ("transition", "float transitions"),
+    ("blurpool", "float transitions"),
+    ("stem", "stem"),
+    ("batch_normalization", "batch norm"),
+    ("add", "residual adds"),
+    ("re_lu", "relu"),
+    ("max_pooling", "pooling"),
+    ("average_pooling", "pooling"),
+    ("global_average", "pooling"),
+    ("head", "head"),
+    ("activation", "head"),
+    ("adam", "optimizer"),
+    ("clip", "weight clip"),
+)
+
+
+def _layer_kind(op_name):
+    parts = [p.lower() for p in op_name.split("/")]
+    for part in parts[1:]:
+        for prefix, kind in LAYER_KINDS:
+            if part.startswith(prefix):
+                return kind
+    return "optimizer" if any("assign" in p or "apply" in p for p in parts) else "other"
+
+
+def op_type_breakdown(logdir, top=25):
+    """Self time per TF op type (and per layer kind) on the host threads of a
+    profile (the *.xplane.pb that tf.profiler.experimental writes)."""
+    import collections
+    import glob
+
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    files = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True))
+    space = xplane_pb2.XSpace()
+    space.ParseFromString(pathlib.Path(files[-1]).read_bytes())
+    self_ps, count, by_kind = collections.Counter(), collections.Counter(), collections.Counter()
+    for plane in space.planes:
+        if not plane.name.startswith("/host:CPU"):
+            continue
+        names = {k: m.name for k, m in plane.event_metadata.items()}
+        for line in plane.lines:
+            # A TF op's event is named "op_name:OpType"; the executor's, the
+            # runtime's and tf.data's own events have "::" or end in Dataset.
+            ops = []
+            for e in line.events:
+                name = names.get(e.metadata_id, "")
+                op_name, _, kind = name.rpartition(":")
+                if (
+                    op_name
+                    and "::" not in name
+                    and kind.lstrip("_")[:1].isalpha()
+                    and " " not in kind
+                    and not kind.endswith("Dataset")
+                ):
+                    ops.append((e.offset_ps, e.duration_ps, kind, op_name))
+            ops.sort(key=lambda o: (o[0], -o[1]))
+            stack = []  # self time: an op's duration less the ops nested in it
+            for start, dur, kind, op_name in ops:
+                while stack and start >= stack[-1][0] + stack[-1][1]:
+                    stack.pop()
+                if stack:
+                    self_ps[stack[-1][2]] -= dur
+                    by_kind[_layer_kind(stack[-1][3])] -= dur
+                self_ps[kind] += dur
+                by_kind[_layer_kind(op_name)] += dur
+                count[kind] += 1
+                stack.append((start, dur, kind, op_name))
+    total = sum(self_ps.values())
+    rows = [
+        {
+            "op_type": k,
+            "self_ms": v / 1e9,
+            "share": v / total if total else 0.0,
+            "count": count[k],
+            "tapehook": k.startswith("Tapehook"),
+        }
+        for k, v in self_ps.most_common()
+    ]
+    kinds = [
+        {"layers": k, "self_ms": v / 1e9, "share": v / total if total else 0.0}
+        for k, v in by_kind.most_common()
+    ]
+    return {
+        "total_op_self_ms": total / 1e9,
+        "top": rows[:top],
+        "all_types": len(rows),
+        "by_layer_kind": kinds,
+    }
+
+
+def child(cfg):
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    impl = cfg["impl"]
+    if impl == "larq":
+        os.environ["TF_USE_LEGACY_KERAS"] = "1"
+    import resource
+
+    import numpy as np
+    import tensorflow as tf
+
+    if impl == "larq":
+        K = tf.keras
+    else:
+        import keras as K
+    if impl == "tapehook":
+        import tapehook
+
+    model, size, batch = cfg["model"], cfg["size"], cfg["batch"]
+    K.utils.set_random_seed(0)
+    net = build(K, model, impl, cfg["estimator"], size)
+    compile_kwargs = {} if impl == "larq" else {"jit_compile": False}
+    net.compile(K.optimizers.Adam(1e-3), "sparse_categorical_crossentropy", **compile_kwargs)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, size, size, 3), dtype=np.float32)
+    y = rng.integers(0, CLASSES, (batch,))
+    data = tf.data.Dataset.from_tensors((x, y)).repeat()
+    inputs = tf.data.Dataset.from_tensors(x).repeat()
+
+    class Timer(K.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.ends = [time.perf_counter()]
+
+        def on_train_batch_end(self, step, logs=None):
+            self.ends.append(time.perf_counter())
+
+        def on_predict_batch_end(self, step, logs=None):
+            self.ends.append(time.perf_counter())
+
+    def step_times(timer, warmup):
+        deltas = [b - a for a, b in zip(timer.ends, timer.ends[1:])]
+        return deltas[warmup:]
+
+    load_start = os.getloadavg()[0]
+    warm, steps = cfg["train_steps"]
+    timer = Timer()
+    net.fit(data, steps_per_epoch=warm + steps, epochs=1, verbose=0, callbacks=[timer])
+    train = step_times(timer, warm)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    counts = tapehook.dispatch_counts() if impl == "tapehook" else None
+    info = tapehook.kernel_info()["cpu"] if impl == "tapehook" else {}
+
+    profile = None
+    if cfg.get("profile"):
+        logdir = tempfile.mkdtemp(prefix="tapehook_models_profile_")
+        tf.profiler.experimental.start(logdir)
+        t0 = time.perf_counter()
+        net.fit(data, steps_per_epoch=cfg["profile"], epochs=1, verbose=0)
+        wall = time.perf_counter() - t0
+        tf.profiler.experimental.stop()
+        profile = op_type_breakdown(logdir)
+        profile.update(steps=cfg["profile"], wall_ms=wall * 1e3)
+
+    warm, steps = cfg["predict_steps"]
+    timer = Timer()
+    net.predict(inputs, steps=warm + steps, verbose=0, callbacks=[timer])
+    predict = step_times(timer, warm)
+    print(
+        json.dumps(
+            {
+                **cfg,
+                "train_step_s": train,
+                "predict_step_s": predict,
+                "train_img_s": batch / statistics.median(train),
+                "predict_img_s": batch / statistics.median(predict),
+                "peak_rss_bytes": peak,
+                "params": int(net.count_params()),
+                "dispatch_counts": counts,
+                "amx": info.get("amx"),
+                "kernel_library": info.get("path"),
+                "load_start": load_start,
+                "load_end": os.getloadavg()[0],
+                "profile": profile,
+            }
+        )
+    )
+
+
+# ---------------------------------------------------------------------------
+# Parent: rounds of subprocesses, summary, JSON, PNG.
+
+
+def larq_python(arg):
+    if arg == "none":
+        return None
+    for path in [arg] if arg else LARQ_PYTHONS:
+        if path and os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def run_config(cfg, python):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("TF_USE_LEGACY_KERAS", None)
+    out = subprocess.run(
+        [python, __file__, "--child", json.dumps(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        env=env,
+        cwd=str(HERE.parent),
+    )
+    if out.returncode:
+        return {**cfg, "error": out.stderr[-2000:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def steps_for(batch, quick):
+    """(warm-up, timed) steps for fit and predict."""
+    if batch == 1:
+        return (3, 10 if quick else 20), (5, 20 if quick else 40)
+    return (2, 3 if quick else 5), (2, 4 if quick else 6)
+
+
+def summarize(runs, groups):
+    """Per configuration: best / median of rounds; ratios within a round."""
+
+    def key(r):
+        return (r["model"], r["size"], r["batch"], r["impl"], r["estimator"])
+
+    by = {}
+    for r in runs:
+        if "error" not in r:
+            by.setdefault(key(r), []).append(r)
+    rows = []
+    for model, size, batch, configs in groups:
+        for impl, est in configs:
+            rs = by.get((model, size, batch, impl, est), [])
+            if not rs:
+                continue
+            row = {
+                "model": model,
+                "size": size,
+                "batch": batch,
+                "impl": impl,
+                "estimator": est,
+                "rounds": len(rs),
+            }
+            for what in ("train", "predict"):
+                vals = [r[f"{what}_img_s"] for r in rs]
+                row[f"{what}_img_s_best"] = max(vals)
+                row[f"{what}_img_s_median"] = statistics.median(vals)
+                for other in ("larq-style", "larq", "float"):
+                    if other == impl:
+                        continue
+                    ratios = []
+                    for r in rs:
+                        o = [
+                            q
+                            for q in by.get(
+                                (model, size, batch, other, None if other == "float" else est), []
+                            )
+                            if q["round"] == r["round"]
+                        ]
+                        if o:
+                            ratios.append(r[f"{what}_img_s"] / o[0][f"{what}_img_s"])
+                    if ratios:
+                        row[f"{what}_x_{other}_min"] = min(ratios)
+                        row[f"{what}_x_{other}_median"] = statistics.median(ratios)
+            # Peak per sample: batch 32 vs batch 1 of the same round.
+            if batch != 1:
+                per = []
+                for r in rs:
+                    small = [
+                        q
+                        for q in by.get((model, size, 1, impl, est), [])
+                        if q["round"] == r["round"]
+                    ]
+                    if small:
+                        per.append((r["peak_rss_bytes"] - small[0]["peak_rss_bytes"]) / (batch - 1))
+                if per:
+                    row["peak_bytes_per_sample_min"] = min(per)
+                    row["peak_bytes_per_sample_median"] = statistics.median(per)
+            if rs[0].get("dispatch_counts"):
+                row["dispatch_counts"] = rs[0]["dispatch_counts"]
+            rows.append(row)
+    for row in rows:  # memory ratio vs larq-style (same size, estimator)
+        if "peak_bytes_per_sample_median" in row and row["impl"] != "larq-style":
+            ref = [
+                q
+                for q in rows
+                if q["impl"] == "larq-style"
+                and q["model"] == row["model"]
+                and q["size"] == row["size"]
+                and q["batch"] == row["batch"]
+                and q["estimator"] == (row["estimator"] or q["estimator"])
+                and "peak_bytes_per_sample_median" in q
+            ]
+            if ref:
+                row["peak_per_sample_x_lower_than_larq_style"] = (
+                    ref[0]["peak_bytes_per_sample_median"] / row["peak_bytes_per_sample_median"]
+                )
+    return rows
+
+
+def print_table(rows, file=sys.stdout):
+    head = (
+        f"{'model':15s} {'px':>3s} {'b':>2s} {'impl':10s} {'input est':11s} "
+        f"{'train img/s best/med':>21s} {'x l-style':>9s} {'x float':>7s} "
+        f"{'predict img/s best/med':>23s} {'x l-style':>9s} {'MiB/sample':>10s} {'mem x':>5s}"
+    )
+    print(head, file=file)
+    for r in rows:
+        mem = r.get("peak_bytes_per_sample_median")
+        print(
+            f"{r['model']:15s} {r['size']:3d} {r['batch']:2d} {r['impl']:10s} "
+            f"{r['estimator'] or '-':11s} "
+            f"{r['train_img_s_best']:9.1f}/{r['train_img_s_median']:9.1f}   "
+            f"{r.get('train_x_larq-style_median', float('nan')):7.2f}x "
+            f"{r.get('train_x_float_median', float('nan')):6.2f}x "
+            f"{r['predict_img_s_best']:10.1f}/{r['predict_img_s_median']:10.1f}  "
+            f"{r.get('predict_x_larq-style_median', float('nan')):7.2f}x "
+            f"{mem / 2**20 if mem else float('nan'):10.2f} "
+            f"{r.get('peak_per_sample_x_lower_than_larq_style', float('nan')):5.2f}",
+            file=file,
+        )
+
+
+def print_profile(profile, file=sys.stdout):
+    print(
+        f"{profile['steps']} training steps, {profile['wall_ms']:.0f} ms wall; op self "
+        f"time {profile['total_op_self_ms']:.0f} ms over {profile['all_types']} op types",
+        file=file,
+    )
+    print(f"{'op type':48s} {'self ms':>9s} {'share':>6s} {'count':>6s}", file=file)
+    for r in profile["top"]:
+        mark = " (tapehook)" if r["tapehook"] else ""
+        print(
+            f"{r['op_type'] + mark:48s} {r['self_ms']:9.1f} {100 * r['share']:5.1f}% "
+            f"{r['count']:6d}",
+            file=file,
+        )
+    print(f"\n{'by layer':48s} {'self ms':>9s} {'share':>6s}", file=file)
+    for r in profile["by_layer_kind"]:
+        print(f"{r['layers']:48s} {r['self_ms']:9.1f} {100 * r['share']:5.1f}%", file=file)
+
+
+def markdown(result):
+    """The doc's tables (docs/models_perf.md) from a models.json."""
+
+    def f(v, spec=".1f"):
+        return "-" if v is None else format(v, spec)
+
+    lines = [
+        "| model | px | batch | impl | input estimator | train img/s best / median | "
+        "train x larq-style (min / med) | train x larq (med) | train x float (med) | "
+        "predict img/s best / median | predict x larq-style (min / med) | "
+        "peak MiB/sample | memory x lower than larq-style |",
+        "|" + "---|" * 13,
+    ]
+    for r in result["rows"]:
+        mem = r.get("peak_bytes_per_sample_median")
+        lines.append(
+            f"| {r['model']} | {r['size']} | {r['batch']} | {r['impl']} | {r['estimator'] or '-'} "
+            f"| {f(r['train_img_s_best'])} / {f(r['train_img_s_median'])} "
+            f"| {f(r.get('train_x_larq-style_min'), '.2f')} / "
+            f"{f(r.get('train_x_larq-style_median'), '.2f')} "
+            f"| {f(r.get('train_x_larq_median'), '.2f')} "
+            f"| {f(r.get('train_x_float_median'), '.2f')} "
+            f"| {f(r['predict_img_s_best'])} / {f(r['predict_img_s_median'])} "
+            f"| {f(r.get('predict_x_larq-style_min'), '.2f')} / "
+            f"{f(r.get('predict_x_larq-style_median'), '.2f')} "
+            f"| {f(mem / 2**20 if mem else None, '.2f')} "
+            f"| {f(r.get('peak_per_sample_x_lower_than_larq_style'), '.2f')} |"
+        )
+    for p in result.get("profiles", []):
+        lines += [
+            "",
+            f"Bi-Real-Net-18, tapehook, {p['estimator']} inputs, batch {p['batch']}, "
+            f"{p['size']} px: {p['steps']} fit steps, {p['wall_ms']:.0f} ms wall, "
+            f"{p['total_op_self_ms']:.0f} ms of op self time",
+            "",
+            "| op type | self ms | share | count |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['op_type']}{' (tapehook)' if r['tapehook'] else ''} | "
+            f"{r['self_ms']:.1f} | {100 * r['share']:.1f} % | {r['count']} |"
+            for r in p["top"][:15]
+        ]
+        lines += ["", "| layers | self ms | share |", "|---|---|---|"]
+        lines += [
+            f"| {r['layers']} | {r['self_ms']:.1f} | {100 * r['share']:.1f} % |"
+            for r in p["by_layer_kind"]
+            if r["self_ms"] > 0
+        ]
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ours = [r for r in rows if r["impl"] == "tapehook"]
+    if not ours:
+        return
+    labels = [
+        f"{r['model'].replace('_small', '-s')}\n{r['size']}px b{r['batch']}\n{r['estimator']}"
+        for r in ours
+    ]
+    series = [
+        ("train vs larq-style", "train_x_larq-style_median"),
+        ("train vs float", "train_x_float_median"),
+        ("predict vs larq-style", "predict_x_larq-style_median"),
+        ("memory/sample vs larq-style", "peak_per_sample_x_lower_than_larq_style"),
+    ]
+    fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(ours)), 4.8))
+    width = 0.8 / len(series)
+    for i, (name, key) in enumerate(series):
+        ax.bar(
+            [j + (i - 1.5) * width for j in range(len(ours))],
+            [r.get(key, 0) or 0 for r in ours],
+            width,
+            label=name,
+        )
+    ax.axhline(1, color="k", lw=0.8)
+    ax.set_xticks(range(len(ours)), labels, fontsize=7)
+    ax.set_ylabel("tapehook speedup / memory reduction (x, median)")
+    ax.set_title("tapehook on whole models (Keras fit / predict, CPU)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--child")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="112 px, each model's own estimator, 1 round, fewer steps",
+    )
+    parser.add_argument("--models", default=",".join(ARCHITECTURES))
+    parser.add_argument("--sizes", default=None, help="default 112,224 (quick: 112)")
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument(
+        "--estimators",
+        default=None,
+        help="'own' (each model's), 'all' (default; quick: own), or names",
+    )
+    parser.add_argument("--impls", default="float,larq-style,tapehook,larq")
+    parser.add_argument("--rounds", type=int, default=None, help="default 3 (quick: 1)")
+    parser.add_argument(
+        "--larq-python", default=None, help="python of a larq 0.14 env; 'none' to skip larq"
+    )
+    parser.add_argument("--profile-steps", type=int, default=3)
+    parser.add_argument("--profile-estimators", default="approx_sign,ste_sign")
+    parser.add_argument("--profile-only", action="store_true")
+    parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--out", default=str(RESULTS / "models.json"))
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="add this run's rounds to --out's runs (e.g. 224 px after 112)",
+    )
+    parser.add_argument(
+        "--markdown", action="store_true", help="print --out's tables as Markdown and exit"
+    )
+    args = parser.parse_args()
+    if args.child:
+        return child(json.loads(args.child))
+    if args.markdown:
+        return print(markdown(json.loads(pathlib.Path(args.out).read_text())))
+
+    quick = args.quick
+    sizes = [int(s) for s in (args.sizes or ("112" if quick else "112,224")).split(",")]
+    batches = [int(b) for b in args.batches.split(",")]
+    rounds = args.rounds or (1 if quick else 3)
+    estimators = args.estimators or ("own" if quick else "all")
+    lq_python = larq_python(args.larq_python)
+    impls = [i for i in args.impls.split(",") if i != "larq" or lq_python]
+    groups = []
+    for model in args.models.split(","):
+        ests = RECIPES[model]["estimators"]
+        ests = (
+            ests[:1]
+            if estimators == "own"
+            else ests
+            if estimators == "all"
+            else [e for e in estimators.split(",") if e in ests]
+        )
+        configs = [("float", None)] if "float" in impls else []
+        configs += [(i, e) for e in ests for i in impls if i != "float"]
+        for size in sizes:
+            for batch in batches:
+                groups.append((model, size, batch, configs))
+
+    sys.path.insert(0, str(HERE))
+    from run import cpu_flags, cpu_model  # bench/run.py
+
+    meta = {
+        "machine": cpu_model(),
+        "cpu_flags": cpu_flags(),
+        "cpu_count": os.cpu_count(),
+        "load_start": os.getloadavg(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "larq_python": lq_python,
+        "quick": quick,
+        "rounds": rounds,
+        "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "default (on)"),
+        "dispatch": os.environ.get("TAPEHOOK_DISPATCH", "auto"),
+    }
+    runs = []
+    if not args.profile_only:
+        for rnd in range(rounds):
+            for gi, (model, size, batch, configs) in enumerate(groups):
+                order = configs if (rnd + gi) % 2 == 0 else configs[::-1]
+                for impl, est in order:
+                    train, predict = steps_for(batch, quick)
+                    cfg = dict(
+                        model=model,
+                        impl=impl,
+                        estimator=est,
+                        size=size,
+                        batch=batch,
+                        train_steps=train,
+                        predict_steps=predict,
+                        round=f"{meta['started']}/{rnd}",
+                    )
+                    r = run_config(cfg, lq_python if impl == "larq" else sys.executable)
+                    runs.append(r)
+                    if "error" in r:
+                        print(
+                            f"FAILED {model} {size} b{batch} {impl} {est}:\n{r['error']}",
+                            flush=True,
+                        )
+                    else:
+                        print(
+                            f"round {rnd} {model:14s} {size}px b{batch:<2d} {impl:10s} "
+                            f"{est or '-':11s} train {r['train_img_s']:8.1f} img/s  predict "
+                            f"{r['predict_img_s']:8.1f} img/s  peak "
+                            f"{r['peak_rss_bytes'] / 2**20:6.0f} MiB  load "
+                            f"{r['load_start']:.2f}",
+                            flush=True,
+                        )
+    profiles = []
+    if not args.no_profile:
+        for est in args.profile_estimators.split(","):
+            cfg = dict(
+                model="birealnet18",
+                impl="tapehook",
+                estimator=est,
+                size=112,
+                batch=32,
+                train_steps=(2, 2),
+                predict_steps=(1, 1),
+                round=-1,
+                profile=args.profile_steps,
+            )
+            r = run_config(cfg, sys.executable)
+            if "error" in r:
+                print(f"profile FAILED ({est}):\n{r['error']}", flush=True)
+                continue
+            profiles.append(
+                {
+                    "model": "birealnet18",
+                    "size": 112,
+                    "batch": 32,
+                    "impl": "tapehook",
+                    "estimator": est,
+                    **r["profile"],
+                    "dispatch_counts": r["dispatch_counts"],
+                }
+            )
+            print(f"\nBi-Real-Net-18, tapehook, {est} inputs, batch 32, 112 px:")
+            print_profile(profiles[-1])
+
+    meta["load_end"] = os.getloadavg()
+    meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    out = pathlib.Path(args.out)
+    previous = json.loads(out.read_text()) if out.exists() else {}
+    sessions = [dict(meta)]
+    if args.append and previous:
+        runs = previous.get("runs", []) + runs
+        sessions = previous.get("sessions", []) + sessions
+        profiles = profiles or previous.get("profiles", [])
+    # Groups (model, size, batch) and their configurations, in run order.
+    groups = {}
+    for r in runs:
+        configs = groups.setdefault((r["model"], r["size"], r["batch"]), [])
+        if (r["impl"], r["estimator"]) not in configs:
+            configs.append((r["impl"], r["estimator"]))
+    rows = summarize(runs, [(*k, v) for k, v in groups.items()])
+    print()
+    print_table(rows)
+    import tensorflow as tf
+
+    meta["tf_version"] = tf.__version__
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {
+        **meta,
+        "sessions": sessions,
+        "rows": rows or previous.get("rows", []),
+        "runs": runs or previous.get("runs", []),
+        "profiles": profiles or previous.get("profiles", []),
+    }
+    if args.profile_only and previous:  # keep the table's run metadata
+        result = {
+            **previous,
+            "profiles": profiles or previous.get("profiles", []),
+            "profile_load": [meta["load_start"], meta["load_end"]],
+        }
+    out.write_text(json.dumps(result, indent=1))
+    if rows:
+        plot(rows, out.with_suffix(".png"))
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

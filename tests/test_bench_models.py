@@ -1,0 +1,149 @@
+"""bench/models.py builds what it claims: the same architecture in float Keras,
+as a larq-style composite and binarized by tapehook, with tapehook's binary
+convs running tapehook's kernels and computing larq's forward. Tiny widths
+and images, no timing."""
+
+import importlib.util
+import pathlib
+import re
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tapehook
+
+pytestmark = pytest.mark.slow
+
+_PATH = pathlib.Path(__file__).resolve().parents[1] / "bench" / "models.py"
+_spec = importlib.util.spec_from_file_location("bench_models", _PATH)
+bench_models = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_models)
+
+SIZE, CLASSES = 32, 10
+TINY = {"birealnet18": dict(filters=8), "quicknet_small": dict(filters=(8, 16, 32, 64))}
+# (binary convs, of which strided) per architecture, from the papers.
+BINARY_CONVS = {"birealnet18": (16, 3), "quicknet_small": (16, 0)}
+
+
+def build(model, impl, estimator):
+    keras.utils.set_random_seed(0)
+    return bench_models.build(keras, model, impl, estimator, SIZE, classes=CLASSES, **TINY[model])
+
+
+def structure(net):
+    """(name, Conv2D or class name, weight shapes, trainable) of every layer;
+    Keras's generated names lose their per-process counter."""
+    return [
+        (
+            re.sub(r"_\d+$", "", layer.name),
+            "Conv2D" if isinstance(layer, keras.layers.Conv2D) else type(layer).__name__,
+            [tuple(w.shape) for w in layer.weights],
+            layer.trainable,
+        )
+        for layer in net.layers
+    ]
+
+
+def binary_layers(net):
+    return [layer for layer in net.layers if layer.name.startswith("binary")]
+
+
+@pytest.mark.parametrize("model", list(bench_models.ARCHITECTURES))
+def test_same_structure_and_parameters(model):
+    est = bench_models.RECIPES[model]["estimators"][0]
+    nets = {impl: build(model, impl, est) for impl in ("float", "larq-style", "tapehook")}
+    reference = nets["float"]
+    for impl, net in nets.items():
+        assert structure(net) == structure(reference), impl
+        assert net.count_params() == reference.count_params(), impl
+    convs, strided = BINARY_CONVS[model]
+    layers = binary_layers(reference)
+    assert len(layers) == convs
+    assert sum(layer.strides != (1, 1) for layer in layers) == strided
+    # Only the tapehook variant's binary convs are marked, with the recipe.
+    spec = tapehook.BinarySpec(**bench_models.tapehook_spec(model, est))
+    assert [tapehook.binary_spec_of(layer.kernel) for layer in binary_layers(nets["tapehook"])] == [
+        spec
+    ] * convs
+    for impl in ("float", "larq-style"):
+        assert all(
+            tapehook.binary_spec_of(l.kernel) is None
+            for l in nets[impl].layers
+            if hasattr(l, "kernel")
+        )
+
+
+def test_full_size_parameter_counts():
+    """At 224 px with 1000 classes, Bi-Real-Net-18 has larq-zoo's 11,699,112
+    parameters; QuickNet-small within 0.1 % of larq-zoo's 12,655,688."""
+    bireal = bench_models.birealnet18(
+        keras, bench_models.binary_conv_factory(keras, "float", "birealnet18", None), 224
+    )
+    assert bireal.count_params() == 11_699_112
+    quick = bench_models.quicknet_small(
+        keras, bench_models.binary_conv_factory(keras, "float", "quicknet_small", None), 224
+    )
+    assert abs(quick.count_params() - 12_655_688) / 12_655_688 < 1e-3
+
+
+@pytest.mark.parametrize(
+    "model,estimator", [("birealnet18", "approx_sign"), ("quicknet_small", "ste_sign")]
+)
+def test_tapehook_runs_binary_kernels_and_matches_larq_style(model, estimator):
+    ours, theirs = build(model, "tapehook", estimator), build(model, "larq-style", estimator)
+    theirs.set_weights(ours.get_weights())
+    x = tf.random.stateless_normal([2, SIZE, SIZE, 3], seed=[1, 2])
+    tapehook.reset_dispatch_counts()
+    y_ours = ours(x, training=False)
+    convs, _ = BINARY_CONVS[model]
+    assert tapehook.dispatch_counts()["compiled"]["forward"] == convs
+    np.testing.assert_allclose(
+        y_ours.numpy(), theirs(x, training=False).numpy(), rtol=1e-4, atol=1e-6
+    )
+
+    # One Keras fit step: every binary conv's forward and both backprops.
+    for net in (ours, theirs):
+        net.compile(keras.optimizers.SGD(0.0), "sparse_categorical_crossentropy", jit_compile=False)
+    y = np.arange(2) % CLASSES
+    tapehook.reset_dispatch_counts()
+    loss_ours = ours.fit(x, y, epochs=1, verbose=0).history["loss"][0]
+    counts = tapehook.dispatch_counts()
+    assert counts["compiled"] == {
+        "forward": convs,
+        "backprop_input": convs,
+        "backprop_filter": convs,
+    }
+    loss_theirs = theirs.fit(x, y, epochs=1, verbose=0).history["loss"][0]
+    np.testing.assert_allclose(loss_ours, loss_theirs, rtol=1e-4)
+
+
+def test_float_model_is_stock():
+    net = build("birealnet18", "float", None)
+    tapehook.reset_dispatch_counts()
+    net(tf.zeros([1, SIZE, SIZE, 3]))
+    counts = tapehook.dispatch_counts()
+    assert not any(counts["compiled"].values()) and not any(counts["reference"].values())
+
+
+def test_profile_breakdown_names_tapehook_ops(tmp_path):
+    """The profile parser finds each executed op type once per execution."""
+    w = tf.Variable(tf.random.stateless_normal([3, 3, 8, 8], seed=[3, 4]))
+    tapehook.mark_binary(w, activations=True)
+    x = tf.random.stateless_normal([2, 8, 8, 8], seed=[5, 6])
+
+    @tf.function
+    def f(x):
+        return tf.nn.relu(tf.nn.conv2d(x, w, 1, "SAME"))
+
+    f(x)
+    tf.profiler.experimental.start(str(tmp_path))
+    for _ in range(3):
+        f(x)
+    tf.profiler.experimental.stop()
+    profile = bench_models.op_type_breakdown(str(tmp_path))
+    rows = {r["op_type"]: r for r in profile["top"]}
+    assert rows["TapehookBinaryConv2D"]["count"] == 3 and rows["TapehookBinaryConv2D"]["tapehook"]
+    assert rows["Relu"]["count"] == 3 and not rows["Relu"]["tapehook"]
+    assert abs(sum(r["share"] for r in profile["top"]) - 1) < 1e-6 or profile["all_types"] > 25
