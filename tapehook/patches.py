@@ -105,7 +105,9 @@ def _on_marked_operand(index, name, binary, mark=True, left=None):
         ):
             return wrapped(*args, **kwargs)  # the common case, kept short
         spec = marks.spec_for_use(operand, mark=mark)
-        if spec is None and mark and models.layer_stack():
+        if spec is None and models.layer_stack():
+            # a binarized Keras layer's kernel, built in this very call: the
+            # layer's spec marks it now (also before a dilated-conv redirect)
             spec = models.spec_for_layer_filter(marks.source_variable(operand))
         if spec is None:
             if left is not None and marks.binary_spec_of(_operand(args, kwargs, *left)) is not None:

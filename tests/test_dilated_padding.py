@@ -175,3 +175,36 @@ def test_causal_conv1d_pads_x_hat_not_x(dilation, pad_value):
         assert_close(tape.gradient(y, xt), edx[:, 0], tf.float32, "dX")
     np.testing.assert_allclose(model.predict(x, verbose=0), ey[:, 0], atol=1e-4)
     assert conv.padding == "causal"
+
+
+@pytest.mark.parametrize("layer", ["Conv1D", "DepthwiseConv2D"])
+def test_lazily_built_dilated_layer_is_binary_from_its_first_call(layer):
+    """A decorated subclassed model builds its layers in its first call: the
+    dilated conv must already pad x_hat with zeros then."""
+    if layer == "Conv1D":
+        x = -np.ones((1, 7, 1), np.float32)
+        make = lambda: keras.layers.Conv1D(  # noqa: E731
+            1, 3, padding="same", dilation_rate=2, use_bias=False, kernel_initializer="ones"
+        )
+        expected = [-2, -2, -3, -3, -3, -2, -2]
+    else:
+        x = -np.ones((1, 5, 5, 1), np.float32)
+        make = lambda: keras.layers.DepthwiseConv2D(  # noqa: E731
+            3, padding="same", dilation_rate=2, use_bias=False, depthwise_initializer="ones"
+        )
+        expected = [-4, -4, -6, -4, -4]
+
+    @tapehook.binarize(activations=True)
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.conv = make()
+
+        def call(self, x):
+            return self.conv(x)
+
+    model = Net()
+    for _ in range(2):  # the first call builds and marks; both are binary
+        y = np.asarray(model(x))
+        first_row = y[0, :, 0] if layer == "Conv1D" else y[0, 0, :, 0]
+        np.testing.assert_array_equal(first_row, expected)
