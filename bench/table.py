@@ -337,6 +337,19 @@ def performance_doc(data, memory, baseline=None):
         )
         out += ["", f"Whole training step, tapehook against larq-style: {words}.", ""]
     out.append(DOC_MEMORY_NOTES)
+    out += [
+        "## Other benchmarks",
+        "",
+        "- Whole models (Bi-Real-Net-18, QuickNet-small; float, larq-style, tapehook, larq "
+        "0.14): `bench/models.py`, [models_perf.md](models_perf.md).",
+        "- Deployed files (LiteRT float, LiteRT binary, LCE): `bench/deploy.py`, "
+        "[deploy.md](deploy.md).",
+        "- What importing tapehook costs unmarked eager ops: `bench/overhead.py` "
+        "(`bench/results/overhead.json`).",
+        "- One-padding against zero padding: `bench/padding.py` "
+        "(`bench/results/padding.json`).",
+        "",
+    ]
     if baseline is not None:
         out += [
             "## Before and after",
