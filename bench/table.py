@@ -346,8 +346,7 @@ def performance_doc(data, memory, baseline=None):
         "[deploy.md](deploy.md).",
         "- What importing tapehook costs unmarked eager ops: `bench/overhead.py` "
         "(`bench/results/overhead.json`).",
-        "- One-padding against zero padding: `bench/padding.py` "
-        "(`bench/results/padding.json`).",
+        "- One-padding against zero padding: `bench/padding.py` (`bench/results/padding.json`).",
         "",
     ]
     if baseline is not None:
