@@ -147,6 +147,7 @@ def binary_conv2d(x, w, spec: BinarySpec, attrs: dict, name=None):
 
 
 def conv2d(
+    spec,
     input,
     filter,
     strides,
@@ -157,15 +158,10 @@ def conv2d(
     dilations=(1, 1, 1, 1),
     name=None,
 ):
-    """gen_nn_ops.conv2d's arguments, with a marked filter (patches.py sends
-    only those here): the binary conv."""
+    """gen_nn_ops.conv2d's arguments, with a marked filter and its ``spec``
+    (patches.py's wrapper found it, marking the filter inside a binary_scope):
+    the binary conv."""
     del use_cudnn_on_gpu  # CPU kernels; the GPU ones choose their own
-    spec = marks.spec_for_use(filter)  # marks it, inside a binary_scope
-    if spec is None:
-        raise TapehookError(
-            "tapehook.conv2d.conv2d got an unmarked filter; patches.py sends only "
-            "calls with a marked filter here"
-        )
     if not isinstance(padding, str):
         raise TapehookError(f"padding must be 'SAME', 'VALID' or 'EXPLICIT', got {padding!r}")
     attrs = {

@@ -162,13 +162,11 @@ def kernels_take(spec) -> bool:
     has beta 5: such convs run stock convolutions on the binarized operands
     (reference.py) under every policy. pad_value needs nothing: conv2d.py runs
     a one-padded conv as a VALID conv of the padded input."""
-    if spec is None:
-        return True
     swish = "swish_sign" in (spec.ste, spec.activation_estimator)
     return spec.weights and (spec.beta == 5.0 or not swish)
 
 
-def _choose_here(op, attrs, dtype, x_shape, w_shape, binary_input, packed, spec=None):
+def _choose_here(op, attrs, dtype, x_shape, w_shape, binary_input, packed, spec):
     """``choose`` with this process's policy, capabilities and TF build."""
     import tapehook.compat as compat  # both import TF: not at module import
     import tapehook.kernels as kernels
@@ -220,21 +218,21 @@ def backprop_path(
     dtype=None,
     x_shape=None,
     w_shape=None,
+    *,
+    spec,
     filter_grad=False,
-    binary_input=True,
     packed=False,
-    spec=None,
 ) -> str:
-    """STOCK or the plan of one backprop: filter_grad selects dW (else dX);
-    binary_input says whether x enters it as sign(x); packed, whether the
-    backward kept packed input bits; spec, the conv's BinarySpec."""
+    """STOCK or the plan of one backprop of the conv with BinarySpec ``spec``:
+    filter_grad selects dW (else dX); packed, whether the backward kept
+    packed input bits."""
     return _choose_here(
         "backprop_filter" if filter_grad else "backprop_input",
         attrs,
         dtype,
         x_shape,
         w_shape,
-        binary_input,
+        bool(spec.activation_estimator),
         packed,
         spec,
     )

@@ -124,7 +124,6 @@ def binary_backward(x, w, dy, spec, attrs, skip=()):
             x.shape,
             w.shape,
             filter_grad=op == "backprop_filter",
-            binary_input=bool(spec.activation_estimator),
             packed=packed,
             spec=spec,
         )

@@ -15,6 +15,7 @@ with zeros exactly as for an undilated conv (docs/design.md).
 import threading
 
 import numpy as np
+import tensorflow as tf
 
 from tapehook import conv2d, counts, marks, models, reference
 from tapehook.compat import nn_ops
@@ -39,11 +40,10 @@ def _dilated(dilations):
 
 def conv2d_call(spec, **call):
     """gen_nn_ops.conv2d with a marked filter."""
-    del spec  # conv2d.conv2d reads it again (marking the filter in a scope)
     call["padding"], call["explicit_paddings"] = causal_padding(
         call.get("padding"), call.get("explicit_paddings", ())
     )
-    return conv2d.conv2d(**call)
+    return conv2d.conv2d(spec, **call)
 
 
 def convolution_internal(
@@ -90,15 +90,19 @@ def convolution_internal(
     return None
 
 
-def _depthwise_dilations(rate, data_format, padding):
-    dilated, ints = _dilated(rate)
-    if not dilated or not isinstance(padding, str):
-        return None
-    if data_format not in (None, "NHWC"):
+def _require_nhwc(data_format):
+    if (data_format or "NHWC") != "NHWC":
         raise TapehookError(
             f"a marked depthwise filter was used with data_format {data_format}; "
             f"binary kernels support NHWC only (Keras: data_format='channels_last')"
         )
+
+
+def _depthwise_dilations(rate, data_format, padding):
+    dilated, ints = _dilated(rate)
+    if not dilated or not isinstance(padding, str):
+        return None
+    _require_nhwc(data_format)
     ints = ints * 2 if len(ints) == 1 else ints
     return [1, ints[0], ints[1], 1]
 
@@ -150,8 +154,6 @@ def separable_conv2d(
 
 
 def _checked(x, w, what):
-    import tensorflow as tf
-
     x, w = tf.convert_to_tensor(x), tf.convert_to_tensor(w)
     marks.check_operands(x, w, what)
     counts.count_reference(forward=1)
@@ -190,11 +192,7 @@ def depthwise_conv2d_native(
     name=None,
 ):
     """gen_nn_ops.depthwise_conv2d_native with a marked filter."""
-    if (data_format or "NHWC") != "NHWC":
-        raise TapehookError(
-            f"a marked depthwise filter was used with data_format {data_format}; "
-            f"binary kernels support NHWC only (Keras: data_format='channels_last')"
-        )
+    _require_nhwc(data_format)
     x, w = _checked(input, filter, "DepthwiseConv2D")
     return reference.binary_depthwise_conv2d(
         x, w, spec, strides, padding, explicit_paddings, dilations, _count_backward

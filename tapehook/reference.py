@@ -69,16 +69,26 @@ def binarize_input(x, spec):
     return sign(x) if spec.activation_estimator else x
 
 
+def _explicit_amounts(explicit_paddings):
+    """Conv2D's 8 explicit_paddings as tf.pad's [[before, after]] per NHWC axis."""
+    p = list(explicit_paddings)
+    return [p[0:2], p[2:4], p[4:6], p[6:8]]
+
+
+def _explicit_to_valid(x, padding, explicit_paddings):
+    """(x, padding), an EXPLICIT conv as a VALID conv of x padded with zeros."""
+    if padding != "EXPLICIT":
+        return x, padding
+    return tf.pad(x, _explicit_amounts(explicit_paddings)), "VALID"
+
+
 def float_conv2d(x, w, strides, padding, explicit_paddings, dilations):
     """Stock NHWC convolution of float tensors, with any padding and dilation.
 
     EXPLICIT padding is done with tf.pad (zeros) then VALID; dilations go
     through tf.nn.convolution, whose gradient works on CPU.
     """
-    if padding == "EXPLICIT":
-        p = list(explicit_paddings)
-        x = tf.pad(x, [p[0:2], p[2:4], p[4:6], p[6:8]])
-        padding = "VALID"
+    x, padding = _explicit_to_valid(x, padding, explicit_paddings)
     return tf.nn.convolution(x, w, strides=strides[1:3], padding=padding, dilations=dilations[1:3])
 
 
@@ -134,8 +144,7 @@ def pad_input(x, w_shape, strides, padding, explicit_paddings, dilations, pad_va
     if padding == "VALID":
         return x, "VALID", []
     if padding == "EXPLICIT":
-        p = list(explicit_paddings)
-        amounts = [p[0:2], p[2:4], p[4:6], p[6:8]]
+        amounts = _explicit_amounts(explicit_paddings)
     else:
         amounts = [[0, 0]]
         for axis in (1, 2):
@@ -321,10 +330,7 @@ def _depthwise_float(x, w, strides, padding, explicit_paddings, dilations):
     undilated gradient), so a dilated one goes through tf.nn.depthwise_conv2d
     (SpaceToBatchND, which zero-pads the already binarized x_hat).
     """
-    if padding == "EXPLICIT":
-        p = list(explicit_paddings)
-        x = tf.pad(x, [p[0:2], p[2:4], p[4:6], p[6:8]])
-        padding = "VALID"
+    x, padding = _explicit_to_valid(x, padding, explicit_paddings)
     if any(d != 1 for d in dilations):
         return tf.nn.depthwise_conv2d(x, w, strides, padding, dilations=dilations[1:3])
     return tf.raw_ops.DepthwiseConv2dNative(
