@@ -6,12 +6,14 @@ so it lives exactly as long as the variable and never depends on id() reuse.
 
 A filter reaches Conv2D either as the variable object itself (tf.nn.conv2d and
 Keras Conv2D pass it through) or as a tensor read from it, possibly through
-Cast (mixed precision) or ExpandDims (Conv1D). Reads and those ops are patched
-(tapehook/patches.py) to tag their output tensor with the variable it came
-from, in eager and in graphs alike.
+Cast (mixed precision) or ExpandDims (Conv1D). Reads of marked variables (and
+any read inside a binary_scope) and those ops are patched (tapehook/patches.py)
+to tag their output tensor with the variable it came from, in eager and in
+graphs alike.
 """
 
 import threading
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -34,6 +36,17 @@ _SUPPORTED_NAMES = "half, bfloat16, float32, float64"
 ARMED = False
 _on_arm = []  # callables run once, when the process is first armed
 _arm_lock = threading.Lock()
+
+# Reads that must tag their result: a marked variable's, and any variable's
+# while a binary_scope is open on its thread. patches.py hooks them where
+# they happen, so that other reads stay TF's own: ``_on_mark(component,
+# marked)`` when a component variable is marked or unmarked (its own read
+# method), ``_on_scopes(any_open)`` when the process's first binary_scope
+# opens and its last one closes (the class's read method, for every thread).
+_on_mark = []
+_on_scopes = []
+_marked = {}  # id(component) -> weakref, every marked component alive
+_open_scopes = [0]  # binary_scopes open on all threads together
 
 # Objects that are never variables nor tensors read from one: the operand
 # check returns at once for them (NumPy / Python inputs to TF functions).
@@ -150,6 +163,7 @@ def set_mark(var, spec: BinarySpec) -> None:
     arm()
     for comp in comps:
         setattr(comp.handle, _SPEC_ATTR, spec)
+        _track(comp, True)
 
 
 def unmark(var) -> None:
@@ -160,6 +174,26 @@ def unmark(var) -> None:
     for comp in comps:
         if hasattr(comp.handle, _SPEC_ATTR):
             delattr(comp.handle, _SPEC_ATTR)
+        _track(comp, False)
+
+
+def _track(comp, marked: bool) -> None:
+    key = id(comp)
+    if marked and key not in _marked:
+        _marked[key] = weakref.ref(comp, lambda _, key=key: _marked.pop(key, None))
+    elif not marked:
+        _marked.pop(key, None)
+    for callback in _on_mark:
+        callback(comp, marked)
+
+
+def marked_components():
+    """Every marked component variable alive (patches.py hooks their reads)."""
+    return [c for c in (ref() for ref in list(_marked.values())) if c is not None]
+
+
+def any_scope_open() -> bool:
+    return _open_scopes[0] > 0
 
 
 def binary_spec_of(obj):
@@ -182,13 +216,6 @@ def source_variable(obj):
     if isinstance(obj, tf.Tensor):
         return _attribute(obj, SOURCE_ATTR)
     return obj if is_variable(obj) else None
-
-
-def read_is_tagged(var) -> bool:
-    """Whether a read of the component variable ``var`` must tag its result:
-    inside a binary_scope, or when ``var`` is marked (all components of a
-    distributed variable carry the same mark)."""
-    return scope_active() or _attribute(var.handle, _SPEC_ATTR) is not None
 
 
 def _attribute(tensor, name):
@@ -232,10 +259,21 @@ def push_scope(spec: BinarySpec, allowed=None) -> None:
     """
     arm()
     scope_stack().append((spec, allowed))
+    _count_scopes(+1)
 
 
 def pop_scope() -> None:
     scope_stack().pop()
+    _count_scopes(-1)
+
+
+def _count_scopes(step: int) -> None:
+    with _arm_lock:
+        before = _open_scopes[0]
+        _open_scopes[0] = before + step
+        if (before == 0) != (_open_scopes[0] == 0):
+            for callback in _on_scopes:
+                callback(_open_scopes[0] > 0)
 
 
 def spec_for_use(filter_obj, mark=True):

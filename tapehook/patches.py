@@ -14,8 +14,13 @@
     separable_conv2d (and their tf.compat.v1.nn names): a dilated conv with a
     marked filter goes to an op that dilates natively instead of
     SpaceToBatchND, whose zero padding would be binarized to +1
-  - variable reads, Identity, Cast and ExpandDims tag their output with the
-    variable it holds, so a filter read in Python still leads to its marks
+  - Identity, Cast and ExpandDims pass a tensor's tag (the variable it holds)
+    on, so a filter read in Python still leads to its marks; reads tag their
+    output only where needed: a marked variable's own read (_MarkedRead in
+    its instance dict) and, while a binary_scope is open, the class's read
+  - the gen_* functions on the path of every op have a signature-exact front
+    (_front) before their FunctionWrapper: the common untagged call costs
+    ~1 us instead of ~3.5
   - execute.record_gradient: op types under tapehook.override_gradient on
     this thread are recorded with their scoped gradient (override.py)
   - Keras: Conv1D.call lets a binary causal Conv1D pad x_hat itself
@@ -24,8 +29,8 @@
     get_config / from_config carry the layer's BinarySpec, so .keras files
     load back binary
 
-The functions on the path of every op (the gen_* functions, variable reads,
-Layer.__call__, the dilated-conv entry points) are wrapped only once the
+The functions on the path of every op (the gen_* functions, Layer.__call__,
+the dilated-conv entry points) are wrapped only once the
 process first marks something (``marks.arm``): until then importing tapehook
 leaves them as TF's own objects, and unmarked code pays nothing
 (bench/overhead.py). ``install`` is all or nothing: if any step fails, the
@@ -34,6 +39,7 @@ earlier ones are undone; ``uninstall`` puts back the original objects.
 
 import functools
 import inspect
+import weakref
 
 import tensorflow as tf
 import wrapt
@@ -53,8 +59,9 @@ _applied = []  # (owner, attribute name, original), in order of application
 _MISSING = object()  # the attribute was inherited, not set on the owner
 
 
-def _wrap(owner, name, wrapper):
-    """Replaces ``owner.name`` by a wrapt FunctionWrapper; returns the original.
+def _wrap(owner, name, wrapper, kind=wrapt.FunctionWrapper):
+    """Replaces ``owner.name`` by ``kind(original, wrapper)``: a wrapt
+    FunctionWrapper, or a _front before one; returns the original.
 
     On a class the raw descriptor (function, classmethod) is wrapped, found
     along the MRO, so an inherited method is wrapped for ``owner`` alone.
@@ -64,7 +71,7 @@ def _wrap(owner, name, wrapper):
         own = vars(owner).get(name, _MISSING)
     else:
         raw = own = getattr(owner, name)
-    setattr(owner, name, wrapt.FunctionWrapper(raw, wrapper))
+    setattr(owner, name, kind(raw, wrapper))
     _applied.append((owner, name, own))
     return raw
 
@@ -91,6 +98,69 @@ def _untagged_tensor(obj) -> bool:
     """A tensor that was not read from a variable tapehook tracks: never a
     binary kernel (marks.source_variable, inlined for every op's sake)."""
     return isinstance(obj, tf.Tensor) and marks.SOURCE_ATTR not in obj.__dict__
+
+
+def _front(original, wrapper, test):
+    """A function with ``original``'s exact signature in front of its wrapt
+    FunctionWrapper, for the gen_* functions on the path of every op.
+
+    ``test`` names the operand(s) the common case is decided on:
+    ``("untagged", names)`` -- those operands are tensors no marked variable
+    was read into, so ``original`` runs; ``("tag", name)`` -- a tensor
+    ``name`` runs ``original`` and its tag, if any, goes to the output. Any
+    other call goes to the FunctionWrapper, whose (wrapped, instance, args,
+    kwargs) wrapper decides it in full. The front binds the call as the
+    original would (same parameters and defaults, so every calling form works
+    and a wrong one raises the original's TypeError) and passes every argument
+    on by position: no dict is built, which is what keeps an untagged call
+    within ~1 us of stock where the FunctionWrapper alone costs ~3.5 us next
+    to a TF op (bench/overhead.py). Its frames count as patches.py's, hidden
+    from TF's "in user code" frames like the wrappers'.
+    """
+    params = list(inspect.signature(original).parameters.values())
+    if any(p.kind is not p.POSITIONAL_OR_KEYWORD or p.name.startswith("_th_") for p in params):
+        return wrapt.FunctionWrapper(original, wrapper)  # no front for this signature
+    names = [p.name for p in params]
+    head = ", ".join(
+        n if p.default is p.empty else f"{n}=_th_default_{n}" for n, p in zip(names, params)
+    )
+    every = ", ".join(names)
+    kind, operands = test
+    if kind == "untagged":
+        untagged = " and ".join(
+            f"isinstance({n}, _th_Tensor) and _th_SOURCE not in getattr({n}, '__dict__', _th_NO_DICT)"
+            for n in operands
+        )
+        body = f"    if {untagged}:\n        return _th_original({every})\n"
+    else:
+        body = (
+            f"    if isinstance({operands}, _th_Tensor):\n"
+            f"        _th_variable = getattr({operands}, '__dict__', _th_NO_DICT).get(_th_SOURCE)\n"
+            f"        _th_result = _th_original({every})\n"
+            f"        if _th_variable is not None:\n"
+            f"            _th_tag(_th_result, _th_variable)\n"
+            f"        return _th_result\n"
+        )
+    source = f"def front({head}):\n{body}    return _th_wrapped({every})\n"
+    namespace = {
+        "_th_Tensor": tf.Tensor,
+        "_th_SOURCE": marks.SOURCE_ATTR,
+        "_th_NO_DICT": {},
+        "_th_tag": marks.tag,
+        "_th_original": original,
+        "_th_wrapped": wrapt.FunctionWrapper(original, wrapper),
+        **{f"_th_default_{p.name}": p.default for p in params if p.default is not p.empty},
+    }
+    exec(compile(source, __file__, "exec"), namespace)  # noqa: S102 (our own source)
+    return functools.update_wrapper(namespace["front"], original)
+
+
+def _untagged(*names):
+    return lambda original, wrapper: _front(original, wrapper, ("untagged", names))
+
+
+def _passes_tag(name):
+    return lambda original, wrapper: _front(original, wrapper, ("tag", name))
 
 
 def _on_marked_operand(index, name, binary, mark=True, left=None):
@@ -126,11 +196,57 @@ def _on_marked_operand(index, name, binary, mark=True, left=None):
 
 
 def _tagging_read(wrapped, instance, args, kwargs):
-    """A variable read whose result leads back to the variable when it matters."""
+    """The class's variable read while a binary_scope is open somewhere: a
+    read on a thread inside a scope leads back to its variable."""
     result = wrapped(*args, **kwargs)
-    if marks.read_is_tagged(instance):
+    if marks.scope_active():
         marks.tag(result, instance)
     return result
+
+
+class _MarkedRead:
+    """A marked component variable's own ``_read_variable_op``, set in its
+    instance dict (so reads of every other variable stay TF's own): the read
+    tags its result with the variable. Holds the variable weakly (no cycle
+    through its ``__dict__``) and calls the class's method, whatever it is."""
+
+    __slots__ = ("_variable", "__weakref__")
+
+    def __init__(self, variable):
+        self._variable = weakref.ref(variable)
+
+    def __call__(self, *args, **kwargs):
+        variable = self._variable()
+        result = type(variable)._read_variable_op(variable, *args, **kwargs)
+        marks.tag(result, variable)
+        return result
+
+
+_READ = "_read_variable_op"
+
+
+def _hook_reads(component, marked: bool) -> None:
+    """marks._on_mark: a marked component's reads tag their result."""
+    own = vars(component)
+    if marked and _hot[0]:
+        if not isinstance(own.get(_READ), _MarkedRead):
+            own[_READ] = _MarkedRead(component)
+    elif isinstance(own.get(_READ), _MarkedRead):
+        del own[_READ]
+
+
+_scoped_read = []  # the class's original read, while the scope wrapper is on
+
+
+def _scoped_reads(any_open: bool) -> None:
+    """marks._on_scopes: every variable's reads are wrapped (_tagging_read)
+    while a binary_scope is open on any thread, and TF's own otherwise."""
+    owner = resource_variable_ops.BaseResourceVariable
+    if any_open and _hot[0] and not _scoped_read:
+        _scoped_read.append(vars(owner)[_READ])
+        setattr(owner, _READ, wrapt.FunctionWrapper(_scoped_read[0], _tagging_read))
+    elif not any_open and _scoped_read:
+        setattr(owner, _READ, _scoped_read.pop())
 
 
 def _tag_passing(name):
@@ -215,7 +331,12 @@ def _wrap_with_v1_name(owner, name, wrapper):
 
 def _install_hot() -> None:
     """The wrappers on the path of every op, applied when the process is armed."""
-    _wrap(gen_nn_ops, "conv2d", _on_marked_operand(1, "filter", interpose.conv2d_call))
+    _wrap(
+        gen_nn_ops,
+        "conv2d",
+        _on_marked_operand(1, "filter", interpose.conv2d_call),
+        _untagged("filter"),
+    )
     _wrap(
         nn_ops,
         "convolution_internal",
@@ -231,17 +352,30 @@ def _install_hot() -> None:
         "separable_conv2d",
         _on_marked_operand(1, "depthwise_filter", interpose.separable_conv2d, mark=False),
     )
-    _wrap(resource_variable_ops.BaseResourceVariable, "_read_variable_op", _tagging_read)
-    _wrap(gen_array_ops, "identity", _tag_passing("input"))
-    _wrap(gen_array_ops, "expand_dims", _tag_passing("input"))
-    _wrap(gen_math_ops, "cast", _tag_passing("x"))
-    _wrap(gen_math_ops, "mat_mul", _on_marked_operand(1, "b", interpose.mat_mul, left=(0, "a")))
+    for owner, name, operand in [
+        (gen_array_ops, "identity", "input"),
+        (gen_array_ops, "expand_dims", "input"),
+        (gen_math_ops, "cast", "x"),
+    ]:
+        _wrap(owner, name, _tag_passing(operand), _passes_tag(operand))
+    _wrap(
+        gen_math_ops,
+        "mat_mul",
+        _on_marked_operand(1, "b", interpose.mat_mul, left=(0, "a")),
+        _untagged("b", "a"),
+    )
     for version in ("batch_mat_mul_v2", "batch_mat_mul_v3"):
-        _wrap(gen_math_ops, version, _on_marked_operand(1, "y", interpose.batch_mat_mul))
+        _wrap(
+            gen_math_ops,
+            version,
+            _on_marked_operand(1, "y", interpose.batch_mat_mul),
+            _untagged("y"),
+        )
     _wrap(
         gen_nn_ops,
         "depthwise_conv2d_native",
         _on_marked_operand(1, "filter", interpose.depthwise_conv2d_native),
+        _untagged("filter"),
     )
     keras = _keras()
     if keras is not None:
@@ -256,7 +390,15 @@ def _arm_hook() -> None:
     """marks.arm calls this when the process first marks something."""
     if _applied and not _hot[0]:
         _apply(_install_hot)
-        _hot[0] = True
+        _apply(_hook_marked_reads)
+
+
+def _hook_marked_reads() -> None:
+    """Reads of the variables marked (or in scopes) now tag their result."""
+    _hot[0] = True
+    for component in marks.marked_components():
+        _hook_reads(component, True)
+    _scoped_reads(marks.any_scope_open())
 
 
 def _apply(step) -> None:
@@ -288,17 +430,25 @@ def install(hot=None) -> None:
     if _applied:
         return
     compat.check()  # before anything is patched
-    if _arm_hook not in marks._on_arm:
-        marks._on_arm.append(_arm_hook)
+    for hooks, hook in [
+        (marks._on_arm, _arm_hook),
+        (marks._on_mark, _hook_reads),
+        (marks._on_scopes, _scoped_reads),
+    ]:
+        if hook not in hooks:
+            hooks.append(hook)
     _apply(_install_base)
     if marks.ARMED if hot is None else hot:
         _apply(_install_hot)
-        _hot[0] = True
+        _apply(_hook_marked_reads)
 
 
 def uninstall() -> None:
     """Restores TensorFlow exactly as it was before ``install``."""
     _hot[0] = False
+    _scoped_reads(False)
+    for component in marks.marked_components():
+        _hook_reads(component, False)
     while _applied:
         owner, name, original = _applied.pop()
         if owner is registry:

@@ -468,3 +468,136 @@ def test_a_process_that_marks_nothing_runs_tf_functions_unwrapped():
         "assert marks.ARMED and hasattr(gen_nn_ops.conv2d, '__wrapped__')\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- what a process with marks pays on unmarked ops (issue #15) ----
+
+_READ = "_read_variable_op"
+_FRONTED = [
+    (gen_nn_ops, "conv2d"),
+    (gen_nn_ops, "depthwise_conv2d_native"),
+    (gen_math_ops, "mat_mul"),
+    (gen_math_ops, "batch_mat_mul_v2"),
+    (gen_math_ops, "batch_mat_mul_v3"),
+    (gen_math_ops, "cast"),
+    (gen_array_ops, "identity"),
+    (gen_array_ops, "expand_dims"),
+]
+
+
+def _class_read():
+    return vars(tf.Variable(0.0).__class__.__mro__[1])[_READ]
+
+
+def test_only_marked_variables_have_a_read_hook(marked_elsewhere):
+    from tapehook.compat import resource_variable_ops
+
+    plain = tf.Variable(_a(3, 3, 2, 2))
+    marked = tapehook.mark_binary(tf.Variable(_a(3, 3, 2, 2)))
+    original = vars(resource_variable_ops.BaseResourceVariable)[_READ]
+    assert not hasattr(original, "__wrapped__")  # the class's read is TF's own
+    assert _READ not in vars(plain) and _READ in vars(marked)
+    assert marks.source_variable(plain.read_value()) is None
+    assert marks.source_variable(marked.read_value()) is marked
+    assert marks.source_variable(tf.identity(marked.value())) is marked
+    tapehook.unmark(marked)
+    assert _READ not in vars(marked)
+    assert marks.source_variable(marked.read_value()) is None
+
+
+def test_a_scope_wraps_every_read_while_open_on_any_thread(marked_elsewhere):
+    import threading
+
+    from tapehook.compat import resource_variable_ops
+
+    owner = resource_variable_ops.BaseResourceVariable
+    plain = tf.Variable(_a(3, 3, 2, 2))
+    inside, outside = threading.Event(), threading.Event()
+    seen = {}
+
+    def other_thread():
+        inside.wait()
+        seen["wrapped"] = hasattr(vars(owner)[_READ], "__wrapped__")
+        seen["source"] = marks.source_variable(plain.read_value())  # no scope here
+        outside.set()
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    with tapehook.binary_scope(activations=True):
+        assert marks.source_variable(plain.read_value()) is plain
+        inside.set()
+        outside.wait()
+    thread.join()
+    assert seen == {"wrapped": True, "source": None}
+    assert not hasattr(vars(owner)[_READ], "__wrapped__")
+    assert marks.source_variable(plain.read_value()) is None
+
+
+def test_a_marked_variable_is_freed_when_dropped(marked_elsewhere):
+    import gc
+    import weakref
+
+    gc.disable()  # a reference cycle through the read hook would keep it
+    try:
+        var = tapehook.mark_binary(tf.Variable(_a(3, 3, 2, 2)))
+        var.read_value()
+        ref = weakref.ref(var)
+        del var
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+def test_uninstall_removes_read_hooks_and_install_restores_them(marked_elsewhere):
+    marked = tapehook.mark_binary(tf.Variable(_a(3, 3, 2, 2)))
+    patches.uninstall()
+    try:
+        assert _READ not in vars(marked)
+        assert marks.source_variable(marked.read_value()) is None
+    finally:
+        patches.install()
+    assert _READ in vars(marked)
+    assert marks.source_variable(marked.read_value()) is marked
+
+
+@pytest.mark.parametrize("owner,name", _FRONTED, ids=[n for _, n in _FRONTED])
+def test_fronts_fail_wrong_calls_as_the_originals_do(owner, name, marked_elsewhere):
+    """The signature-exact fronts raise the original's TypeError, word for word."""
+    import inspect
+
+    front = getattr(owner, name)
+    original = front.__wrapped__
+    assert front is not original and inspect.signature(front) == inspect.signature(original)
+    arity = len(inspect.signature(original).parameters)
+    calls = [(), (tf.ones([2, 2]),) * (arity + 1), (tf.ones([2, 2]),)]
+    for args in calls:
+        messages = []
+        for function in (original, front):
+            with pytest.raises(TypeError) as error:
+                function(*args, not_a_parameter=1)
+            messages.append(str(error.value))
+        assert messages[0] == messages[1], args
+
+
+def test_fronts_send_marked_operands_to_tapehook(marked_elsewhere):
+    """The fronts' fast path must not swallow a marked operand, in any form."""
+    w = tapehook.mark_binary(tf.Variable(_a(3, 3, 3, 4)), activations=True)
+    x = tf.constant(X2)
+    want = tf.nn.conv2d(tf.sign(x), tf.sign(w), 1, "SAME")
+    read = w.read_value()
+    forms = [
+        lambda: gen_nn_ops.conv2d(x, read, [1, 1, 1, 1], "SAME"),
+        lambda: gen_nn_ops.conv2d(input=x, filter=read, strides=[1, 1, 1, 1], padding="SAME"),
+        lambda: gen_nn_ops.conv2d(x, tf.identity(read), [1, 1, 1, 1], "SAME"),
+        lambda: gen_nn_ops.conv2d(x, w, [1, 1, 1, 1], "SAME"),
+    ]
+    for form in forms:
+        np.testing.assert_array_equal(form().numpy(), want.numpy())
+    d = tapehook.mark_binary(tf.Variable(_a(5, 3)), activations=True)
+    m = tf.constant(M)
+    np.testing.assert_array_equal(
+        gen_math_ops.mat_mul(m, d.read_value()).numpy(),
+        tf.matmul(tf.sign(m), tf.sign(d)).numpy(),
+    )
+    with pytest.raises(tapehook.TapehookError, match="left operand"):
+        gen_math_ops.mat_mul(d.read_value(), tf.ones([3, 2]))
