@@ -32,6 +32,14 @@ TF with oneDNN on and off (docs/performance.md):
 - otherwise, forward with float activations: stock Conv2D on sign(W), then
   alpha; our AVX2 float kernels reached 0.5-0.8x of TF's AVX-512/oneDNN
   convolutions;
+- otherwise, backprops with a ±1 operand (dX: sign W; a dW with binary
+  activations: sign x) on AVX-512, float32, undilated, of a conv whose
+  forward ran on the kernels (a forward on stock takes the whole conv to
+  reference.py, which differentiates itself): tapehook's sign-table
+  kernels (plan ``avx512``, cc_kernels/core/lut_backprop.h): a vpermps picks
+  one of the 16 signed sums of 4 float values per lane, 64 multiply-adds per
+  permute and add against 16 per FMA; 1.6-3.0x of oneDNN's float backprops
+  at the Bi-Real-Net and QuickNet shapes, batch 32 (bench/lut_backprop/);
 - otherwise, backprops: stock Conv2DBackpropInput / Filter on
   (x_hat, alpha sign W) with the estimator masks applied after, except for
   dilated convs, which TF's CPU backprops reject and tapehook's kernels
@@ -136,11 +144,16 @@ def choose(
     filter_grad = op == "backprop_filter"
     if any(d != 1 for d in attrs["dilations"]):
         return best  # stock CPU backprops reject dilation
+    # Where AMX does not run a backprop (or does not pay), the AVX-512
+    # sign-table kernels do when they can (their capability: a ±1 operand,
+    # sign W for dX, sign x for a binary-input dW; float32): 1.6-3.0x of
+    # oneDNN at every measured shape (bench/lut_backprop/REPORT.md).
+    otherwise = "avx512" if "avx512" in capabilities else STOCK
     # A 1x1 dW runs about as fast as stock on AMX: take it only when the
     # kernels save unpacking the input bits. A 1x1 dX wins (1.2x).
     min_taps = 1 if packed or not filter_grad else AMX_MIN_TAPS
     if not _amx_pays(capabilities, attrs, x_shape, w_shape, min_taps):
-        return STOCK
+        return otherwise
     if (
         filter_grad
         and binary_input
@@ -148,11 +161,11 @@ def choose(
         and _known(x_shape, 3)
         and int(x_shape[1]) * int(x_shape[2]) < DW_MIN_IMAGE_PIXELS
     ):
-        return STOCK
+        return otherwise
     # dW of a weight-only conv is float x float: no exact operand, so AMX needs
     # six bf16 products per term, slower than oneDNN's backprop-filter.
     if filter_grad and not binary_input and onednn:
-        return STOCK
+        return otherwise
     return best
 
 

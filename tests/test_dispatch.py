@@ -14,7 +14,6 @@ ONE = dict(forward=1, backprop_input=1, backprop_filter=1)
 
 
 FWD_ONLY = dict(forward=1, backprop_input=0, backprop_filter=0)
-BACKPROPS = dict(forward=0, backprop_input=1, backprop_filter=1)
 
 
 @pytest.fixture
@@ -25,33 +24,44 @@ def switches():
     kernels.set_switches_for_test(None, None, None)
 
 
-@pytest.mark.parametrize("amx", [False, True])
+def _complement(compiled):
+    return {k: 1 - v for k, v in compiled.items()}
+
+
+@pytest.mark.parametrize("cpu", ["gemm_only", "avx512", "amx"])
 @pytest.mark.parametrize(
-    "activations,dilation,stride,without_amx,with_amx",
+    "activations,dilation,stride,gemm_only,avx512,amx",
     [
-        # weight-only: stock; on AMX (stride 1) all kernels
-        (False, 1, 1, (NONE, ONE), (ONE, NONE)),
-        # bitpacked forward; backprops stock, or AMX kernels
-        (True, 1, 1, (FWD_ONLY, BACKPROPS), (ONE, NONE)),
+        # weight-only: a forward on stock takes the whole conv there (the
+        # reference route differentiates itself); on AMX (stride 1) all kernels
+        (False, 1, 1, NONE, NONE, ONE),
+        # bitpacked forward; backprops stock, sign-table or AMX kernels
+        (True, 1, 1, FWD_ONLY, ONE, ONE),
         # dilated: kernels
-        (True, 2, 1, (ONE, NONE), (ONE, NONE)),
+        (True, 2, 1, ONE, ONE, ONE),
         # strided: the AMX kernels take stride 1 only
-        (False, 1, 2, (NONE, ONE), (NONE, ONE)),
+        (False, 1, 2, NONE, NONE, NONE),
     ],
 )
 @pytest.mark.parametrize("mode", ["eager", "tape_in_function", "v1_gradients"])
 def test_auto_routes_and_matches_reference(
-    monkeypatch, switches, mode, activations, dilation, stride, without_amx, with_amx, amx
+    monkeypatch, switches, mode, activations, dilation, stride, gemm_only, avx512, amx, cpu
 ):
+    """``cpu``: the tiers the kernels may use (the switches take the others
+    away): the im2col GEMM only, AVX-512 without AMX, or everything."""
     monkeypatch.setenv("TAPEHOOK_DISPATCH", "auto")
-    if amx and not tapehook.kernel_info()["cpu"].get("amx"):
+    if cpu == "amx" and not tapehook.kernel_info()["cpu"].get("amx"):
         pytest.skip("this CPU (or build) has no AMX kernels")
-    if not amx:
-        switches(no_amx=True)
-    compiled, reference = with_amx if amx else without_amx
-    if amx and not activations and stride == 1 and compat.onednn_enabled():
-        # the weight-only dW stays on oneDNN's backprop-filter
-        compiled, reference = (dict(ONE, backprop_filter=0), dict(NONE, backprop_filter=1))
+    if cpu != "amx":
+        switches(no_amx=True, no_avx512=cpu == "gemm_only")
+    if cpu == "avx512" and "avx512" not in kernels.conv_capabilities(
+        "backprop_input", SAME, "float32", (2, 32, 32, 3), (3, 3, 3, 4)
+    ):
+        pytest.skip("this CPU has no AVX-512 sign-table backprops")
+    compiled = {"gemm_only": gemm_only, "avx512": avx512, "amx": amx}[cpu]
+    if cpu == "amx" and not activations and stride == 1 and compat.onednn_enabled():
+        compiled = dict(ONE, backprop_filter=0)  # the weight-only dW stays on oneDNN
+    reference = _complement(compiled)
     spec = tapehook.BinarySpec(activations=activations, scale="mean_abs")
     # 2 x 32 x 32 pixels: big enough for every AMX route
     x, w0 = random_inputs((2, 32, 32, 3), (3, 3, 3, 4))
@@ -78,18 +88,18 @@ def test_auto_routes_and_matches_reference(
         # kept packed; the forward and dX on AMX
         (False, (2, 16, 16, 3), (1, 1, 3, 4), dict(ONE, backprop_filter=0)),
         (True, (2, 32, 32, 3), (1, 1, 3, 4), ONE),
-        # fewer pixels than AMX_MIN_PIXELS: stock (the bitpacked forward aside)
+        # fewer pixels than AMX_MIN_PIXELS: not AMX; a weight-only conv all
+        # stock, a binary-input one's backprops on the sign-table kernels
+        # (AMX CPUs have AVX-512)
         (False, (1, 10, 10, 3), (3, 3, 3, 4), NONE),
-        (True, (1, 10, 10, 3), (3, 3, 3, 4), dict(NONE, forward=1)),
-        # 7x7 images: a dW from float x (approx_sign keeps x, not bits) on stock,
-        # from packed bits (ste_sign) on the kernels
-        ("approx_sign", (4, 7, 7, 3), (3, 3, 3, 4), dict(ONE, backprop_filter=0)),
+        (True, (1, 10, 10, 3), (3, 3, 3, 4), ONE),
+        # 7x7 images: a dW from float x (approx_sign keeps x, not bits) not on
+        # AMX but on the sign-table kernels; from packed bits (ste_sign) on AMX
+        ("approx_sign", (4, 7, 7, 3), (3, 3, 3, 4), ONE),
         (True, (4, 7, 7, 3), (3, 3, 3, 4), ONE),
     ],
 )
-def test_auto_keeps_small_float_convs_on_stock(
-    monkeypatch, activations, x_shape, w_shape, compiled
-):
+def test_auto_keeps_small_float_convs_off_amx(monkeypatch, activations, x_shape, w_shape, compiled):
     monkeypatch.setenv("TAPEHOOK_DISPATCH", "auto")
     if not tapehook.kernel_info()["cpu"].get("amx"):
         pytest.skip("this CPU (or build) has no AMX kernels")
@@ -155,9 +165,12 @@ def test_auto_with_unknown_static_shapes(monkeypatch, activations):
 
 # The dispatcher's rule as a table: (op, conv, capabilities, policy / oneDNN)
 # -> STOCK or a plan. No kernels or AMX needed: the capabilities are given.
+# What the capability query gives: "avx512" for a backprop means the
+# sign-table kernels can run it (a ±1 operand, float32, undilated).
 AMX = frozenset({"amx", "avx512", "avx2", "portable"})
 NO_AMX = frozenset({"avx512", "avx2", "portable"})
 GEMM = frozenset({"avx2", "portable"})
+AMX_GEMM = frozenset({"amx", "avx2", "portable"})  # e.g. a weight-only dW on AMX
 SAME = dict(strides=[1, 1, 1, 1], padding="SAME", explicit_paddings=[], dilations=[1, 1, 1, 1])
 DILATED = dict(SAME, dilations=[1, 2, 2, 1])
 EXPLICIT = dict(SAME, padding="EXPLICIT", explicit_paddings=[0, 0, 1, 1, 1, 1, 0, 0])
@@ -185,17 +198,29 @@ TABLE = [
     (FWD, EXPLICIT, BIG, K3, False, False, AMX, "auto", True, "stock"),
     (FWD, SAME, None, None, False, False, AMX, "auto", True, "amx"),  # unknown: large
     (DX, SAME, BIG, K3, True, False, AMX, "auto", True, "amx"),
-    (DX, SAME, BIG, K3, True, False, NO_AMX, "auto", True, "stock"),
     (DX, SAME, BIG, K1, False, False, AMX, "auto", True, "amx"),  # 1x1 dX wins
-    # dW: 1x1 from floats on stock, from packed bits on AMX
-    (DW, SAME, BIG, K1, True, False, AMX, "auto", True, "stock"),
+    # without AMX: backprops with a ±1 operand on the sign-table kernels,
+    # whatever the size; without them (no AVX-512): stock
+    (DX, SAME, BIG, K3, True, False, NO_AMX, "auto", True, "avx512"),
+    (DX, SAME, SMALL, K1, False, False, NO_AMX, "auto", True, "avx512"),
+    (DW, SAME, BIG, K3, True, True, NO_AMX, "auto", False, "avx512"),
+    (DW, SAME, TINY_IMAGE, K3, True, False, NO_AMX, "auto", True, "avx512"),
+    (DX, SAME, BIG, K3, True, False, GEMM, "auto", True, "stock"),
+    (DW, SAME, BIG, K3, True, True, GEMM, "auto", True, "stock"),
+    # ... and where AMX does not pay: AMX too small -> sign-table kernels
+    (DX, SAME, SMALL, K3, True, False, AMX, "auto", True, "avx512"),
+    (DX, EXPLICIT, BIG, K3, True, False, AMX, "auto", True, "avx512"),
+    # dW: 1x1 from floats not on AMX (sign-table), from packed bits on AMX
+    (DW, SAME, BIG, K1, True, False, AMX, "auto", True, "avx512"),
     (DW, SAME, BIG, K1, True, True, AMX, "auto", True, "amx"),
-    # dW with x as floats over small images: stock; from packed bits: AMX
-    (DW, SAME, TINY_IMAGE, K3, True, False, AMX, "auto", True, "stock"),
+    # dW with x as floats over small images: not AMX; from packed bits: AMX
+    (DW, SAME, TINY_IMAGE, K3, True, False, AMX, "auto", True, "avx512"),
     (DW, SAME, TINY_IMAGE, K3, True, True, AMX, "auto", True, "amx"),
-    # weight-only dW (float x float): oneDNN's backprop-filter when TF runs it
-    (DW, SAME, BIG, K3, False, False, AMX, "auto", True, "stock"),
-    (DW, SAME, BIG, K3, False, False, AMX, "auto", False, "amx"),
+    # weight-only dW (float x float, no sign-table kernel): oneDNN's
+    # backprop-filter when TF runs it
+    (DW, SAME, BIG, K3, False, False, AMX_GEMM, "auto", True, "stock"),
+    (DW, SAME, BIG, K3, False, False, AMX_GEMM, "auto", False, "amx"),
+    (DW, SAME, BIG, K3, False, False, GEMM, "auto", True, "stock"),
     # dilated backprops: the kernels (stock CPU backprops reject dilation)
     (DX, DILATED, SMALL, K3, True, False, NO_AMX, "auto", True, "avx512"),
     (DW, DILATED, SMALL, K3, False, False, GEMM, "auto", True, "avx2"),

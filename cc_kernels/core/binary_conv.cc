@@ -1,6 +1,7 @@
 // Entry points of the binary conv kernels (binary_conv.h): each runs its
 // plan's implementation (plan.h), the bitpacked forward (bitpacked.h), the
-// AMX kernels (amx_conv.h) or the im2col GEMM (float_gemm.h).
+// AMX kernels (amx_conv.h), the sign-table backprops (lut_backprop.h) or the
+// im2col GEMM (float_gemm.h).
 #include "binary_conv.h"
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include "bitpacked.h"
 #include "conv_util.h"
 #include "float_gemm.h"
+#include "lut_backprop.h"
 #include "plan.h"
 
 namespace tapehook {
@@ -25,6 +27,64 @@ Impl PlanOf(ConvOp op, const ConvShape& s, bool binary_input, bool packed,
             Impl impl) {
   return RunnableOrBest(
       QueryOf(op, s, binary_input, packed, std::is_same_v<T, double>), impl);
+}
+
+// dx *= e'(x), the activation estimator's mask (nothing for kNone): after
+// the sums of every plan that does not apply it itself.
+template <typename T>
+void ApplyInputEstimator(const ConvShape& s, const T* x, Estimator act_est,
+                         double clip, T* dx, const ParallelFor& parallel_for) {
+  if (act_est == Estimator::kNone) return;
+  const int64_t in_rows = s.batch * s.in_h;
+  const int64_t row_len = s.in_w * s.in_c;
+  parallel_for(in_rows, row_len * 8, [&](int64_t r0, int64_t r1) {
+    const T* xs = x;  // locals: no reloads through the lambda's captures
+    T* g = dx;
+    const int64_t end = r1 * row_len;
+    if (act_est == Estimator::kSteSign) {  // the common case, vectorized
+      const T c = static_cast<T>(clip);
+      for (int64_t i = r0 * row_len; i < end; ++i) {
+        g[i] *= std::abs(xs[i]) <= c ? T(1) : T(0);
+      }
+      return;
+    }
+    for (int64_t i = r0 * row_len; i < end; ++i) {
+      g[i] *= static_cast<T>(EstimatorGrad(act_est, xs[i], clip));
+    }
+  });
+}
+
+// dw[r, o] *= alpha[o] * e'(w[r, o]) for the dW rows [row0, row1) (row =
+// tap * in_c + input channel): after the sums of every plan that does not
+// apply it itself.
+template <typename T>
+void ScaleFilterGradientRows(const T* w, const std::vector<double>& alpha,
+                             Estimator w_est, double clip, int64_t row0,
+                             int64_t row1, int64_t out_c, T* dw) {
+  if (w_est == Estimator::kSteSign) {  // the common case, vectorized
+    // |t| <= clip as EstimatorGrad compares it (in double) is |t| <= c for
+    // the largest T c not above clip.
+    T c = static_cast<T>(clip);
+    if (static_cast<double>(c) > clip) c = std::nextafter(c, T(0));
+    // Two loops that vectorize, (g * alpha) * mask: the same bits as
+    // g * (alpha * mask) for alpha >= 0.
+    const std::vector<T> a(alpha.begin(), alpha.end());
+    for (int64_t r = row0; r < row1; ++r) {
+      T* out = dw + r * out_c;
+      for (int64_t o = 0; o < out_c; ++o) out[o] *= a[o];
+    }
+    for (int64_t i = row0 * out_c; i < row1 * out_c; ++i) {
+      dw[i] *= std::abs(w[i]) <= c ? T(1) : T(0);
+    }
+    return;
+  }
+  for (int64_t r = row0; r < row1; ++r) {
+    const T* wk = w + r * out_c;
+    T* out = dw + r * out_c;
+    for (int64_t o = 0; o < out_c; ++o) {
+      out[o] *= static_cast<T>(alpha[o] * EstimatorGrad(w_est, wk[o], clip));
+    }
+  }
 }
 
 }  // namespace
@@ -122,12 +182,23 @@ void BinaryConv2DBackpropInput(const ConvShape& s, const T* x, const T* w,
     }
   }
 
-  // The scatter below only adds, and may never touch some pixels.
-  parallel_for(in_rows, row_len, [&](int64_t r0, int64_t r1) {
-    std::fill(dx + r0 * row_len, dx + r1 * row_len, T(0));
-  });
+  bool summed = false;  // dx holds the sums, before the activation mask
+  if constexpr (std::is_same<T, float>::value) {
+    if (OutPixels(s) > 0 && impl == Impl::kAvx512) {
+      const std::vector<float> alpha = FilterAlphaFloats(s, w, scale);
+      summed =
+          lut::BackpropInput(s, w, AlphaOrNull(alpha), dy, dx, parallel_for);
+    }
+  }
 
-  if (OutPixels(s) > 0) {
+  // The scatter below only adds, and may never touch some pixels.
+  if (!summed) {
+    parallel_for(in_rows, row_len, [&](int64_t r0, int64_t r1) {
+      std::fill(dx + r0 * row_len, dx + r1 * row_len, T(0));
+    });
+  }
+
+  if (!summed && OutPixels(s) > 0) {
     const PackedB<T> w_hat_t = PackedSignedWeights(
         s, w, scale, /*transpose=*/true, impl, parallel_for);
     // A band of `band` output rows scatters into input rows spanning
@@ -171,23 +242,7 @@ void BinaryConv2DBackpropInput(const ConvShape& s, const T* x, const T* w,
     }
   }
 
-  if (act_est != Estimator::kNone) {
-    parallel_for(in_rows, row_len * 8, [&](int64_t r0, int64_t r1) {
-      const T* xs = x;  // locals: no reloads through the lambda's captures
-      T* g = dx;
-      const int64_t end = r1 * row_len;
-      if (act_est == Estimator::kSteSign) {  // the common case, vectorized
-        const T c = static_cast<T>(clip);
-        for (int64_t i = r0 * row_len; i < end; ++i) {
-          g[i] *= std::abs(xs[i]) <= c ? T(1) : T(0);
-        }
-        return;
-      }
-      for (int64_t i = r0 * row_len; i < end; ++i) {
-        g[i] *= static_cast<T>(EstimatorGrad(act_est, xs[i], clip));
-      }
-    });
-  }
+  ApplyInputEstimator(s, x, act_est, clip, dx, parallel_for);
 }
 
 template <typename T>
@@ -211,6 +266,13 @@ void BinaryConv2DBackpropFilter(const ConvShape& s, const T* x, const T* w,
     }
   }
   const bool binary = act_est != Estimator::kNone;
+  if constexpr (std::is_same<T, float>::value) {
+    if (pixels > 0 && binary && impl == Impl::kAvx512 &&
+        lut::BackpropFilter(s, x, dy, dw, parallel_for)) {
+      ScaleFilterGradient(s, w, w_est, clip, scale, dw, parallel_for);
+      return;
+    }
+  }
   const std::vector<double> alpha = Alpha(s, w, scale);
 
   // A work unit owns the dW rows of one tap and one block of input channels
@@ -251,14 +313,19 @@ void BinaryConv2DBackpropFilter(const ConvShape& s, const T* x, const T* w,
         Gemm(rows, col.data(), 1, rows, PackedRows<T>{&dy_packed, pix0, np},
              out, N, /*accumulate=*/true);
       }
-      for (int64_t r = 0; r < rows; ++r) {
-        const T* wk = w + (tap * C + c0 + r) * N;
-        for (int64_t o = 0; o < N; ++o) {
-          out[r * N + o] *=
-              static_cast<T>(alpha[o] * EstimatorGrad(w_est, wk[o], clip));
-        }
-      }
+      ScaleFilterGradientRows(w, alpha, w_est, clip, tap * C + c0, tap * C + c1,
+                              N, dw);
     }
+  });
+}
+
+template <typename T>
+void ScaleFilterGradient(const ConvShape& s, const T* w, Estimator w_est,
+                         double clip, Scale scale, T* dw,
+                         const ParallelFor& parallel_for) {
+  const std::vector<double> alpha = Alpha(s, w, scale);
+  parallel_for(FilterSize(s), 4 * s.out_c, [&](int64_t r0, int64_t r1) {
+    ScaleFilterGradientRows(w, alpha, w_est, clip, r0, r1, s.out_c, dw);
   });
 }
 
@@ -280,7 +347,9 @@ void BinaryConv2DBackpropFilter(const ConvShape& s, const T* x, const T* w,
       Scale, T*, const ParallelFor&, Impl);                                    \
   template void BinaryConv2DBackpropFilter<T>(                                 \
       const ConvShape&, const T*, const T*, const T*, Estimator, Estimator,    \
-      double, Scale, T*, const ParallelFor&, Impl);
+      double, Scale, T*, const ParallelFor&, Impl);                            \
+  template void ScaleFilterGradient<T>(const ConvShape&, const T*, Estimator,  \
+                                       double, Scale, T*, const ParallelFor&);
 
 TAPEHOOK_INSTANTIATE(float)
 TAPEHOOK_INSTANTIATE(double)

@@ -95,6 +95,13 @@ void BinaryConv2DBackpropFilter(const ConvShape& s, const T* x, const T* w,
                                 const ParallelFor& parallel_for,
                                 Impl impl = Impl::kBest);
 
+// dw *= alpha * e'(W) in place (alpha of `scale`, e' of w_est): what every
+// backprop-filter plan applies to its sums conv2d_backprop_filter(x_hat, dY).
+template <typename T>
+void ScaleFilterGradient(const ConvShape& s, const T* w, Estimator w_est,
+                         double clip, Scale scale, T* dw,
+                         const ParallelFor& parallel_for);
+
 }  // namespace tapehook
 
 #endif  // TAPEHOOK_CORE_BINARY_CONV_H_

@@ -1,6 +1,7 @@
 // Backprops of a binary-activation conv whose input is kept as packed sign /
-// mask bits (pack_input.h): the AMX kernels read the bits, the other plans
-// run the float kernels on a stand-in input with the same signs and masks.
+// mask bits (pack_input.h): the AMX kernels and the sign-table ones
+// (lut_backprop.h, plan avx512) read the bits, the other plans run the float
+// kernels on a stand-in input with the same signs and masks.
 #include "packed_backprop.h"
 
 #include <cstdint>
@@ -9,6 +10,7 @@
 
 #include "amx_conv.h"
 #include "binary_conv.h"
+#include "lut_backprop.h"
 #include "pack_input.h"
 #include "plan.h"
 
@@ -32,6 +34,22 @@ std::vector<T> StandIn(const ConvShape& s, const uint8_t* packed, double clip,
   return x_hat;
 }
 
+// dx *= the packed ste_sign mask (bit 6 - 2 (c % 4) of byte c / 4 of a row).
+void ApplyPackedMask(const ConvShape& s, const uint8_t* packed, float* dx,
+                     const ParallelFor& parallel_for) {
+  const int64_t rows = s.batch * s.in_h * s.in_w, channels = s.in_c;
+  const int64_t row_bytes = PackedBytes(channels);
+  parallel_for(rows, channels * 2, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* bits = packed + r * row_bytes;
+      float* g = dx + r * channels;
+      for (int64_t c = 0; c < channels; ++c) {
+        g[c] *= (bits[c / 4] >> (6 - 2 * (c % 4)) & 1) ? 1.0f : 0.0f;
+      }
+    }
+  });
+}
+
 }  // namespace
 
 template <typename T>
@@ -48,6 +66,13 @@ void BinaryConv2DBackpropInputPacked(const ConvShape& s, const uint8_t* packed,
       const std::vector<float> a = FilterAlphaFloats(s, w, scale);
       if (amx::BackpropInputPacked(s, packed, w, dy, AlphaOrNull(a), dx,
                                    parallel_for)) {
+        return;
+      }
+    }
+    if (impl == Impl::kAvx512) {
+      const std::vector<float> a = FilterAlphaFloats(s, w, scale);
+      if (lut::BackpropInput(s, w, AlphaOrNull(a), dy, dx, parallel_for)) {
+        ApplyPackedMask(s, packed, dx, parallel_for);
         return;
       }
     }
@@ -73,6 +98,11 @@ void BinaryConv2DBackpropFilterPacked(const ConvShape& s, const uint8_t* packed,
                                     AlphaOrNull(a), dw, parallel_for)) {
         return;
       }
+    }
+    if (impl == Impl::kAvx512 &&
+        lut::BackpropFilterPacked(s, packed, dy, dw, parallel_for)) {
+      ScaleFilterGradient(s, w, w_est, clip, scale, dw, parallel_for);
+      return;
     }
   }
   const std::vector<T> x = StandIn<T>(s, packed, clip, parallel_for);

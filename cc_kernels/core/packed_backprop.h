@@ -13,7 +13,8 @@ namespace tapehook {
 // Backprops of a binary-activation conv with the ste_sign input estimator,
 // its input given as packed sign / mask bits (what the backward keeps):
 // the same results as BinaryConv2DBackpropInput / Filter on x with
-// act_est = kSteSign. On AMX (impl kAmx, float) the kernels read the bits
+// act_est = kSteSign. On AMX (impl kAmx, float) and on the sign-table
+// engine (impl kAvx512, float; lut_backprop.h) the kernels read the bits
 // directly; elsewhere a float stand-in for x with the same signs and masks
 // is built.
 template <typename T>

@@ -2,6 +2,7 @@
 
 #include "amx_conv.h"
 #include "cpu.h"
+#include "lut_backprop.h"
 
 namespace tapehook {
 
@@ -58,6 +59,8 @@ uint32_t Capabilities(const ConvQuery& q) {
   }
   if (!q.is_double && amx::Usable() && amx::Supports(q))
     caps |= bit(Impl::kAmx);
+  // The float backprops' sign-table engine (lut_backprop.h).
+  if (cpu::Avx512() && lut::Supports(q)) caps |= bit(Impl::kAvx512);
   return caps;
 }
 

@@ -25,7 +25,9 @@ enum class ConvOp : int {
 // Implementations, in order of preference. The bitpacked forward (binary
 // input) runs on kAvx512, kAvx2 or kPortable inner loops; the float-operand
 // convs (float-input forward, both backprops) on kAmx or on the im2col GEMM
-// with kAvx2 or kPortable tiles. kBest: "whatever SelectBest picks".
+// with kAvx2 or kPortable tiles; the float32 backprops (dX, and dW of a
+// binary input) also on kAvx512, the sign-table engine of lut_backprop.h
+// (lut::Supports). kBest: "whatever SelectBest picks".
 enum class Impl : int {
   kPortable = 0,
   kAvx2 = 1,

@@ -23,6 +23,9 @@
 #include "cc_kernels/core/amx_conv.h"
 #include "cc_kernels/core/binary_conv.h"
 #include "cc_kernels/core/cpu.h"
+#include "cc_kernels/core/lut_backprop.h"
+#include "cc_kernels/core/pack_input.h"
+#include "cc_kernels/core/packed_backprop.h"
 #include "cc_kernels/core/plan.h"
 
 namespace {
@@ -798,6 +801,220 @@ void TestBitpackedTiers() {
               passed, kCases);
 }
 
+// The avx512 plan of the float backprops (the sign-table engine,
+// lut_backprop.h) against the reference and the portable plan, through the
+// public entry points of binary_conv.h and packed_backprop.h. Shapes cover
+// what the engine pads or tiles internally: channel counts off the 16 lanes
+// (1, 3, 15, 17, 33, 100) and on them (16, 64), strides 1 to 3, kernels 1x1,
+// 3x3, 5x5 and 2x3, SAME / VALID / explicit padding (taps that never meet
+// the input included), batch 1 and 3, odd image sizes; every activation and
+// weight estimator, alpha on and off. Each result must match the reference
+// within the float tolerance, agree bitwise under every ParallelFor, and
+// the packed-input backprops must give the float-input ones' bits.
+void TestAvx512Backprops() {
+  using tapehook::Impl;
+  if (!tapehook::cpu::Avx512()) {
+    std::printf(
+        "binary_conv [avx512 backprops]: skipped (no AVX-512 on this CPU or "
+        "TAPEHOOK_NO_AVX512 set)\n");
+    return;
+  }
+  const int64_t kChannels[] = {1, 3, 15, 16, 17, 33, 64, 100};
+  const int64_t kKernels[][2] = {{1, 1}, {3, 3}, {5, 5}, {2, 3}};
+  // Then larger fixed shapes: several dX passes over output channel groups
+  // and row-band jobs, several dW position chunks and channel slices, whole
+  // image dX jobs. {batch, h, w, in_c, out_c, k, stride, padding}.
+  const int64_t kLarge[][8] = {{2, 20, 21, 64, 160, 3, 1, 0},
+                               {1, 29, 27, 48, 130, 5, 2, 0},
+                               {4, 9, 9, 96, 40, 3, 2, 1}};
+  constexpr int kRandomCases = 96;
+  constexpr int kCases = kRandomCases + 3;
+  std::mt19937_64 rng(20260417);
+  int passed = 0;
+  for (int i = 0; i < kCases; ++i) {
+    Problem pr;
+    // Coprime strides over the enumerations so that they meet every mix.
+    const Estimator acts[] = {Estimator::kSteSign, Estimator::kApproxSign,
+                              Estimator::kSwishSign, Estimator::kNone};
+    pr.act_est = acts[i % 4];
+    pr.w_est = static_cast<Estimator>(i / 4 % 4);
+    pr.scale = i % 3 == 1 ? Scale::kNone : Scale::kMeanAbs;
+    pr.clip = i % 5 == 2 ? 0.5 : 1.0;
+    ConvShape& s = pr.s;
+    while (i >= kRandomCases) {
+      const int64_t* l = kLarge[i - kRandomCases];
+      s = ConvShape();
+      s.batch = l[0], s.in_h = l[1], s.in_w = l[2], s.in_c = l[3];
+      s.out_c = l[4], s.k_h = s.k_w = l[5], s.stride_h = s.stride_w = l[6];
+      CHECK(tapehook::ComputeConvGeometry(static_cast<Padding>(l[7]), 0, 0, 0,
+                                          0, &s)
+                .empty(),
+            "large avx512 backprop shape %d", i - kRandomCases);
+      break;
+    }
+    while (i < kRandomCases) {
+      s = ConvShape();
+      s.in_c = kChannels[i % 8];
+      s.out_c = kChannels[(3 * i + i / 8) % 8];
+      s.k_h = kKernels[i % 7 % 4][0], s.k_w = kKernels[i % 7 % 4][1];
+      s.batch = i % 2 ? 3 : 1;
+      s.stride_h = Pick<int64_t>(rng, {1, 1, 2, 3});
+      s.stride_w = i % 6 == 5 ? s.stride_h : Pick<int64_t>(rng, {1, 2, 2, 3});
+      std::uniform_int_distribution<int64_t> size(1, 13);
+      s.in_h = size(rng) | 1, s.in_w = size(rng);
+      const Padding padding = static_cast<Padding>(i % 3);
+      std::uniform_int_distribution<int64_t> pad(0, 3);
+      if (!tapehook::ComputeConvGeometry(padding, pad(rng), pad(rng), pad(rng),
+                                         pad(rng), &s)
+               .empty()) {
+        continue;
+      }
+      // Keeps the naive reference (and the sanitizer run) quick.
+      if (s.batch * s.out_h * s.out_w * s.k_h * s.k_w * s.in_c * s.out_c <=
+          4000000) {
+        break;
+      }
+    }
+    pr.x.resize(s.batch * s.in_h * s.in_w * s.in_c);
+    pr.w.resize(s.k_h * s.k_w * s.in_c * s.out_c);
+    pr.dy.resize(s.batch * s.out_h * s.out_w * s.out_c);
+    std::uniform_real_distribution<double> u(-1, 1);
+    // -0 has sign +1, as 0 does.
+    for (double& v : pr.x) v = u(rng) < -0.95 ? -0.0 : Value(rng, pr.clip);
+    for (double& v : pr.w) v = u(rng) < -0.95 ? -0.0 : Value(rng, pr.clip);
+    for (double& v : pr.dy) v = static_cast<float>(u(rng));
+    const std::vector<float> x = Cast<float>(pr.x), w = Cast<float>(pr.w),
+                             dy = Cast<float>(pr.dy);
+    const bool binary = pr.act_est != Estimator::kNone;
+    const Ref dx_ref = RefBackpropInput(pr), dw_ref = RefBackpropFilter(pr);
+    bool ok = true;
+    auto offered = [&](tapehook::ConvOp op, bool packed) {
+      return tapehook::CanRun(tapehook::Capabilities(tapehook::QueryOf(
+                                  op, s, binary || packed, packed, false)),
+                              Impl::kAvx512);
+    };
+    ok &= offered(tapehook::ConvOp::kBackpropInput, false);
+    ok &= offered(tapehook::ConvOp::kBackpropInput, true);
+    ok &= offered(tapehook::ConvOp::kBackpropFilter, true);
+    ok &= offered(tapehook::ConvOp::kBackpropFilter, false) == binary;
+    if (!ok) std::printf("  avx512 not offered where it should be\n");
+    // The engine itself takes the conv (no silent fallback inside the plan).
+    std::vector<float> raw(x.size());
+    ok &= tapehook::lut::BackpropInput(s, w.data(), nullptr, dy.data(),
+                                       raw.data(), InlineFor);
+    std::vector<float> raw_w(w.size());
+    ok &= tapehook::lut::BackpropFilter(s, x.data(), dy.data(), raw_w.data(),
+                                        InlineFor);
+    // The packed backprops always apply the ste_sign mask.
+    const bool ste = pr.act_est == Estimator::kSteSign;
+    Problem packed_pr = pr;
+    packed_pr.act_est = Estimator::kSteSign;
+    const Ref dx_packed_ref = ste ? dx_ref : RefBackpropInput(packed_pr);
+    const Ref dw_packed_ref = ste ? dw_ref : RefBackpropFilter(packed_pr);
+    std::vector<uint8_t> packed(s.batch * s.in_h * s.in_w *
+                                tapehook::PackedBytes(s.in_c));
+    tapehook::PackSignMask(x.data(), s.batch * s.in_h * s.in_w, s.in_c, pr.clip,
+                           packed.data(), InlineFor);
+    std::vector<float> dx0, dw0;
+    for (const NamedFor& f : AllFors()) {
+      const std::string tag = std::string(" [") + f.name + "]";
+      for (Impl impl : {Impl::kAvx512, Impl::kPortable}) {
+        const std::string name = std::string(tapehook::ImplName(impl)) + tag;
+        std::vector<float> dx = NaNs<float>(x.size());
+        tapehook::BinaryConv2DBackpropInput<float>(
+            s, x.data(), w.data(), dy.data(), pr.act_est, pr.clip, pr.scale,
+            dx.data(), f.pf, impl);
+        ok &= Matches("backprop_input " + name, dx, dx_ref);
+        std::vector<float> dw = NaNs<float>(w.size());
+        tapehook::BinaryConv2DBackpropFilter<float>(
+            s, x.data(), w.data(), dy.data(), pr.act_est, pr.w_est, pr.clip,
+            pr.scale, dw.data(), f.pf, impl);
+        ok &= Matches("backprop_filter " + name, dw, dw_ref);
+        std::vector<float> pdx = NaNs<float>(x.size());
+        tapehook::BinaryConv2DBackpropInputPacked<float>(
+            s, packed.data(), w.data(), dy.data(), pr.clip, pr.scale,
+            pdx.data(), f.pf, impl);
+        ok &= Matches("packed backprop_input " + name, pdx, dx_packed_ref);
+        std::vector<float> pdw = NaNs<float>(w.size());
+        tapehook::BinaryConv2DBackpropFilterPacked<float>(
+            s, packed.data(), w.data(), dy.data(), pr.w_est, pr.clip, pr.scale,
+            pdw.data(), f.pf, impl);
+        ok &= Matches("packed backprop_filter " + name, pdw, dw_packed_ref);
+        if (impl != Impl::kAvx512) continue;
+        if (ste && (!BitwiseEqual(pdx.data(), dx.data(), 4 * dx.size()) ||
+                    !BitwiseEqual(pdw.data(), dw.data(), 4 * dw.size()))) {
+          std::printf("  packed%s differs bitwise from the float input\n",
+                      tag.c_str());
+          ok = false;
+        }
+        if (dx0.empty()) {
+          dx0 = dx, dw0 = dw;
+        } else if (!BitwiseEqual(dx.data(), dx0.data(), 4 * dx.size()) ||
+                   (binary &&
+                    !BitwiseEqual(dw.data(), dw0.data(), 4 * dw.size()))) {
+          std::printf("  avx512%s differs bitwise from [inline]\n",
+                      tag.c_str());
+          ok = false;
+        }
+      }
+    }
+    CHECK(ok, "avx512 backprops, case %d: %s", i,
+          Describe(pr, /*is_float=*/true).c_str());
+    passed += ok;
+  }
+  std::printf(
+      "binary_conv [avx512 backprops vs portable]: %d/%d cases "
+      "passed\n",
+      passed, kCases);
+}
+
+// The avx512 plan's scope for the backprops: float only, dilation 1, dW only
+// with a binary input, at most lut::kMaxTaps taps; unknown sizes and any
+// channel count never exclude it; TAPEHOOK_NO_AVX512 takes it away.
+void TestAvx512BackpropPlans() {
+  using tapehook::ConvOp;
+  using tapehook::ConvQuery;
+  using tapehook::Impl;
+  const bool avx512 = tapehook::cpu::Avx512();
+  auto offered = [](const ConvQuery& q) {
+    return tapehook::CanRun(tapehook::Capabilities(q), Impl::kAvx512);
+  };
+  ConvQuery q;
+  q.op = ConvOp::kBackpropInput;
+  q.k_h = q.k_w = 3;
+  CHECK(offered(q) == avx512, "dX with unknown sizes");
+  q.in_c = 3, q.out_c = 100;
+  CHECK(offered(q) == avx512, "dX with 3 -> 100 channels");
+  q.packed_input = q.binary_input = true;
+  CHECK(offered(q) == avx512, "packed dX");
+  q.is_double = true;
+  CHECK(!offered(q), "no avx512 backprop for double");
+  q.is_double = false;
+  q.dil_h = 2;
+  CHECK(!offered(q), "no avx512 backprop with dilation 2");
+  q.dil_h = 1;
+  q.k_h = 5, q.k_w = 7;
+  CHECK(!offered(q), "no avx512 backprop with 35 taps");
+  q.k_h = q.k_w = 5;
+  q.stride_h = q.stride_w = 3;
+  CHECK(offered(q) == avx512, "dX 5x5 stride 3");
+  q.op = ConvOp::kBackpropFilter;
+  CHECK(offered(q) == avx512, "dW of a binary input");
+  q.binary_input = q.packed_input = false;
+  CHECK(!offered(q), "no avx512 dW of a float input");
+  q.binary_input = true;
+  if (avx512) {
+    CHECK(tapehook::SelectBest(tapehook::Capabilities(q)) ==
+              (tapehook::amx::Usable() && tapehook::amx::Supports(q)
+                   ? Impl::kAmx
+                   : Impl::kAvx512),
+          "avx512 is the best backprop plan without AMX");
+  }
+  tapehook::cpu::SetSwitchesForTest({false, /*no_avx512=*/true, false});
+  CHECK(!offered(q), "TAPEHOOK_NO_AVX512 takes the avx512 backprops away");
+  tapehook::cpu::ClearSwitchesForTest();
+}
+
 // Runs the random sweep once; returns the number of failed cases.
 int RunSweep(const char* isa) {
   constexpr int kCases = 320;
@@ -828,6 +1045,8 @@ int main() {
   TestEmptyBatch();
   TestPlans();
   TestBitpackedTiers();
+  TestAvx512BackpropPlans();
+  TestAvx512Backprops();
 
   // The core picks AVX2 kernels at run time when the CPU has them, unless
   // TAPEHOOK_NO_AVX2 is set: sweep with the CPU's best ISA, then with the

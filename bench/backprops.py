@@ -1,0 +1,159 @@
+"""Both backprops of a binary 3x3 conv at whole-model shapes: tapehook's ops
+on a plan against stock TF's oneDNN backprops, float32, 2 threads.
+
+What a training step of Bi-Real-Net-18 / QuickNet-small at 112 px, batch 32,
+spends most of its time in (docs/models_perf.md). Per shape and backprop:
+
+- ``stock``: tf.raw_ops.Conv2DBackpropInput / Conv2DBackpropFilter on ready
+  ±1 operands (alpha * sign W; sign x), masks not applied: what the larq-style
+  composite and tapehook's stock route run, less their elementwise ops;
+- ``tapehook``: the library's op on ``--plan`` (default ``avx512``, the
+  AVX-512 sign-table kernels), from the latent W and x (dX: sign, alpha and
+  the ste_sign mask inside; dW: sign x, alpha and the weight mask inside),
+  and dW also from the packed input bits the forward keeps (``dW packed``).
+
+Each tf.function is timed as the best of ``--calls`` calls; the candidates
+alternate, ``--repeats`` times; the table gives min and median, and
+stock / tapehook ratios of min and of median (above 1: tapehook faster).
+
+    python bench/backprops.py            # writes bench/results/backprops.json
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+BATCH = 32
+# (name, h, w, in_c, out_c, stride): the binary 3x3 convs at 112 px
+SHAPES = [
+    ("birealnet 28x28x64->64 s1", 28, 28, 64, 64, 1),
+    ("birealnet 28x28x64->128 s2", 28, 28, 64, 128, 2),
+    ("birealnet 14x14x128->128 s1", 14, 14, 128, 128, 1),
+    ("birealnet 14x14x128->256 s2", 14, 14, 128, 256, 2),
+    ("birealnet 7x7x256->256 s1", 7, 7, 256, 256, 1),
+    ("birealnet 7x7x256->512 s2", 7, 7, 256, 512, 2),
+    ("birealnet 4x4x512->512 s1", 4, 4, 512, 512, 1),
+    ("quicknet 28x28x32->32 s1", 28, 28, 32, 32, 1),
+    ("quicknet 14x14x64->64 s1", 14, 14, 64, 64, 1),
+]
+
+
+def _time(fn, calls):
+    best = float("inf")
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def _candidates(tf, tapehook, shape, plan, batch):
+    from tapehook import kernels, packing
+
+    _, h, w, ci, co, s = shape
+    oh, ow = -(-h // s), -(-w // s)
+    rng = tf.random.Generator.from_seed(0)
+    x = rng.normal([batch, h, w, ci])
+    wt = rng.normal([3, 3, ci, co])
+    dy = rng.normal([batch, oh, ow, co])
+    spec = tapehook.BinarySpec(activations=True, scale="mean_abs")
+    alpha = tf.reduce_mean(tf.abs(wt), axis=[0, 1, 2])
+    w_hat, x_hat = alpha * tf.sign(wt), tf.where(x >= 0, 1.0, -1.0)
+    attrs = dict(
+        strides=[1, s, s, 1],
+        padding="SAME",
+        explicit_paddings=[],
+        data_format="NHWC",
+        dilations=[1, 1, 1, 1],
+        plan=plan,
+    )
+    lib = kernels.library()
+    packed = packing.pack_input(x, spec)
+    stride = [1, s, s, 1]
+    return {
+        "dX stock": tf.function(
+            lambda: tf.raw_ops.Conv2DBackpropInput(
+                input_sizes=x.shape, filter=w_hat, out_backprop=dy, strides=stride, padding="SAME"
+            )
+        ),
+        "dX tapehook": tf.function(
+            lambda: lib.tapehook_binary_conv2d_backprop_input(
+                x, wt, dy, **attrs, **spec.op_attrs("backprop_input")
+            )
+        ),
+        "dW stock": tf.function(
+            lambda: tf.raw_ops.Conv2DBackpropFilter(
+                input=x_hat, filter_sizes=wt.shape, out_backprop=dy, strides=stride, padding="SAME"
+            )
+        ),
+        "dW tapehook": tf.function(
+            lambda: lib.tapehook_binary_conv2d_backprop_filter(
+                x, wt, dy, **attrs, **spec.op_attrs("backprop_filter")
+            )
+        ),
+        "dW packed tapehook": tf.function(
+            lambda: lib.tapehook_binary_conv2d_backprop_filter_packed(
+                packed.packed, wt, dy, **attrs, **spec.op_attrs("backprop_filter"), channels=ci
+            )
+        ),
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plan", default="avx512")
+    parser.add_argument("--batch", type=int, default=BATCH)
+    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--only", default="", help="run the shapes whose name contains this")
+    parser.add_argument(
+        "--out", default=str(pathlib.Path(__file__).parent / "results" / "backprops.json")
+    )
+    args = parser.parse_args()
+
+    import tensorflow as tf
+
+    import tapehook
+
+    tf.config.threading.set_intra_op_parallelism_threads(2)
+    rows = []
+    print(f"{'shape':30} {'backprop':10} {'stock ms':>15} {'tapehook ms':>15} {'x min/med':>11}")
+    for shape in SHAPES:
+        if args.only not in shape[0]:
+            continue
+        fns = _candidates(tf, tapehook, shape, args.plan, args.batch)
+        for fn in fns.values():
+            fn()  # trace and warm up
+        times = {name: [] for name in fns}
+        for repeat in range(args.repeats):
+            order = list(fns.items())
+            for name, fn in order if repeat % 2 == 0 else order[::-1]:
+                times[name].append(_time(fn, args.calls))
+        row = {"shape": shape[0], "batch": args.batch, "plan": args.plan, "ms": {}}
+        for name, values in times.items():
+            row["ms"][name] = {"min": min(values), "median": statistics.median(values)}
+        for what, stock, ours in [
+            ("dX", "dX stock", "dX tapehook"),
+            ("dW", "dW stock", "dW tapehook"),
+            ("dW packed", "dW stock", "dW packed tapehook"),
+        ]:
+            a, b = row["ms"][stock], row["ms"][ours]
+            ratio = (a["min"] / b["min"], a["median"] / b["median"])
+            row[f"{what} x"] = ratio
+            print(
+                f"{shape[0]:30} {what:10} {a['min']:6.2f}/{a['median']:6.2f}   "
+                f"{b['min']:6.2f}/{b['median']:6.2f}   {ratio[0]:4.2f}/{ratio[1]:4.2f}",
+                flush=True,
+            )
+        rows.append(row)
+    result = {"batch": args.batch, "calls": args.calls, "repeats": args.repeats, "rows": rows}
+    pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
