@@ -269,6 +269,12 @@ DOC_WHY = """\
   every product is exact and sums accumulate in fp32: fp32 results at bf16 tile
   speed (`cc_kernels/core/amx_conv.h`; `tests/cc/test_amx_conv.cc` checks the
   exactness bitwise). The row stores are AVX-512 with the STE mask fused in.
+- **Backprops on AVX-512 without AMX** (dX, and dW of a binary input): for
+  four floats g0..g3 the 16 signed sums ±g0 ±g1 ±g2 ±g3 fill one zmm register,
+  and a vpermps indexed by four sign bits per lane (of W for dX, of x for dW)
+  does 64 multiply-adds where an FMA does 16
+  (`cc_kernels/core/lut_backprop.h`; the prototype's measurements:
+  `bench/lut_backprop/REPORT.md`; at whole-model shapes: `bench/backprops.py`).
 - **Packed backward**: the backward of a binary-activation conv reads the 2-bit
   packed input directly; no float x is rebuilt.
 - **The dispatcher** sends what tapehook does not win to stock ops. The rules,
@@ -347,14 +353,17 @@ def performance_doc(data, memory, baseline=None):
         "- What importing tapehook costs unmarked eager ops: `bench/overhead.py` "
         "(`bench/results/overhead.json`).",
         "- One-padding against zero padding: `bench/padding.py` (`bench/results/padding.json`).",
+        "- Both backprops at Bi-Real-Net / QuickNet shapes, batch 32, against oneDNN: "
+        "`bench/backprops.py` (`bench/results/backprops.json`).",
         "",
     ]
     if baseline is not None:
         out += [
             "## Before and after",
             "",
-            "`bench/results/baseline.json` (before) and `latest.json` (after), run back to "
-            "back on the same machine.",
+            "`bench/results/baseline.json` (before: the commit before the one-conv-plan "
+            "work, 198798f) and `latest.json` (after), on the same machine; their "
+            "dates are on the machine lines.",
             "",
             "Before: " + machine_line(baseline),
             "",
