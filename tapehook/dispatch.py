@@ -40,6 +40,8 @@ TF with oneDNN on and off (docs/performance.md):
   one of the 16 signed sums of 4 float values per lane, 64 multiply-adds per
   permute and add against 16 per FMA; 1.6-3.0x of oneDNN's float backprops
   at the Bi-Real-Net and QuickNet shapes, batch 32 (bench/lut_backprop/);
+  also on AMX CPUs where the image is under AMX_MIN_IMAGE_PIXELS pixels (7x7,
+  4x4), where they beat the AMX GEMMs;
 - otherwise, backprops: stock Conv2DBackpropInput / Filter on
   (x_hat, alpha sign W) with the estimator masks applied after, except for
   dilated convs, which TF's CPU backprops reject and tapehook's kernels
@@ -75,6 +77,14 @@ AMX_MIN_PIXELS = 128
 # on) and 0.82-1.06x (off); 14x14x256 1.3x and 2.1x. From packed bits our dW
 # wins everywhere (7x7x512: 1.7x on, 2.0x off), stock having to unpack first.
 DW_MIN_IMAGE_PIXELS = 100
+# On an AMX CPU, a backprop with a ±1 operand (dX; dW with binary
+# activations) over images of fewer pixels than this runs on the AVX-512
+# sign-table kernels, not the AMX GEMMs (whose fixed preparation of the float
+# operand does not pay there). Bench (bench/results/backprops_amx.json, batch
+# 32, 3x3): 7x7x256 dX 1.18x, dW 1.25x; 4x4x512 dX 1.7x, dW 2.4x; 7x7x512
+# dX 1.25x, dW 1.05x, sign-table over AMX. At 14x14 and larger the two are
+# within +-15 % of each other, AMX ahead for dX: AMX stays.
+AMX_MIN_IMAGE_PIXELS = 100
 
 
 def _known(shape, dims):
@@ -154,6 +164,9 @@ def choose(
     min_taps = 1 if packed or not filter_grad else AMX_MIN_TAPS
     if not _amx_pays(capabilities, attrs, x_shape, w_shape, min_taps):
         return otherwise
+    small_image = _known(x_shape, 3) and int(x_shape[1]) * int(x_shape[2]) < AMX_MIN_IMAGE_PIXELS
+    if small_image and otherwise != STOCK and (binary_input or not filter_grad):
+        return otherwise  # the sign-table kernels beat AMX on small images
     if (
         filter_grad
         and binary_input

@@ -213,9 +213,21 @@ TABLE = [
     # dW: 1x1 from floats not on AMX (sign-table), from packed bits on AMX
     (DW, SAME, BIG, K1, True, False, AMX, "auto", True, "avx512"),
     (DW, SAME, BIG, K1, True, True, AMX, "auto", True, "amx"),
-    # dW with x as floats over small images: not AMX; from packed bits: AMX
+    # backprops with a ±1 operand over small images (7x7, 4x4): the
+    # sign-table kernels beat AMX, dX and dW (from floats or packed bits) ...
     (DW, SAME, TINY_IMAGE, K3, True, False, AMX, "auto", True, "avx512"),
-    (DW, SAME, TINY_IMAGE, K3, True, True, AMX, "auto", True, "amx"),
+    (DW, SAME, TINY_IMAGE, K3, True, True, AMX, "auto", True, "avx512"),
+    (DX, SAME, TINY_IMAGE, K3, True, False, AMX, "auto", True, "avx512"),
+    (DX, SAME, TINY_IMAGE, K3, False, False, AMX, "auto", True, "avx512"),
+    (DX, SAME, TINY_IMAGE, K3, True, True, AMX, "auto", False, "avx512"),
+    # ... where they can run it; else AMX as on larger images
+    (DX, SAME, TINY_IMAGE, K3, True, False, AMX_GEMM, "auto", True, "amx"),
+    (DW, SAME, TINY_IMAGE, K3, True, True, AMX_GEMM, "auto", True, "amx"),
+    # (a weight-only dW has no ±1 operand: not affected)
+    (DW, SAME, TINY_IMAGE, K3, False, False, AMX_GEMM, "auto", False, "amx"),
+    # from 10x10 pixels on: AMX
+    (DW, SAME, (16, 10, 10, 8), K3, True, True, AMX, "auto", True, "amx"),
+    (DX, SAME, (16, 10, 10, 8), K3, True, False, AMX, "auto", True, "amx"),
     # weight-only dW (float x float, no sign-table kernel): oneDNN's
     # backprop-filter when TF runs it
     (DW, SAME, BIG, K3, False, False, AMX_GEMM, "auto", True, "stock"),
