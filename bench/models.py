@@ -423,6 +423,10 @@ def op_type_breakdown(logdir, top=25):
 
 def child(cfg):
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    if cfg.get("tensor_memory"):
+        # TF's BFC allocator on the CPU keeps allocation statistics
+        # (tf.config.experimental.get_memory_info); the default one does not.
+        os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
     impl = cfg["impl"]
     if impl == "larq":
         os.environ["TF_USE_LEGACY_KERAS"] = "1"
@@ -448,6 +452,17 @@ def child(cfg):
     y = rng.integers(0, CLASSES, (batch,))
     data = tf.data.Dataset.from_tensors((x, y)).repeat()
     inputs = tf.data.Dataset.from_tensors(x).repeat()
+
+    if cfg.get("tensor_memory"):
+        # Peak bytes of TF tensors during one fit step, past what the model,
+        # its optimizer state and the data already hold (after two steps).
+        net.fit(data, steps_per_epoch=2, epochs=1, verbose=0)
+        tf.config.experimental.reset_memory_stats("CPU:0")
+        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+        net.fit(data, steps_per_epoch=1, epochs=1, verbose=0)
+        peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+        print(json.dumps({**cfg, "tensor_peak_bytes": peak - before}))
+        return
 
     class Timer(K.callbacks.Callback):
         def __init__(self):
@@ -626,11 +641,47 @@ def summarize(runs, groups):
     return rows
 
 
+def attach_tensor_memory(rows, tensor_runs):
+    """Adds to each batch > 1 row the tensor peak per sample of its
+    configuration (batch b minus batch 1, over b - 1; median over
+    measurements) and, but for larq-style's own, larq-style's over it."""
+    by = {}
+    for r in tensor_runs:
+        if "error" not in r:
+            key = (r["model"], r["size"], r["impl"], r["estimator"])
+            by.setdefault(key, {}).setdefault(r["batch"], []).append(r["tensor_peak_bytes"])
+    per_sample = {}
+    for key, batches in by.items():
+        big = max(batches)
+        if big > 1 and 1 in batches:
+            per_sample[key] = (statistics.median(batches[big]) - statistics.median(batches[1])) / (
+                big - 1
+            )
+    for row in rows:
+        key = (row["model"], row["size"], row["impl"], row["estimator"])
+        if row["batch"] > 1 and key in per_sample:
+            row["tensor_peak_bytes_per_sample"] = per_sample[key]
+            ref = per_sample.get((row["model"], row["size"], "larq-style", row["estimator"]))
+            if row["impl"] == "float":  # against larq-style with the model's own estimator
+                ref = per_sample.get(
+                    (
+                        row["model"],
+                        row["size"],
+                        "larq-style",
+                        RECIPES[row["model"]]["estimators"][0],
+                    )
+                )
+            if ref and row["impl"] != "larq-style":
+                row["tensor_peak_x_lower_than_larq_style"] = ref / per_sample[key]
+    return rows
+
+
 def print_table(rows, file=sys.stdout):
     head = (
         f"{'model':15s} {'px':>3s} {'b':>2s} {'impl':10s} {'input est':11s} "
         f"{'train img/s best/med':>21s} {'x l-style':>9s} {'x float':>7s} "
-        f"{'predict img/s best/med':>23s} {'x l-style':>9s} {'MiB/sample':>10s} {'mem x':>5s}"
+        f"{'predict img/s best/med':>23s} {'x l-style':>9s} {'MiB/sample':>10s} {'mem x':>5s} "
+        f"{'tensor MiB':>10s} {'x':>5s}"
     )
     print(head, file=file)
     for r in rows:
@@ -644,7 +695,9 @@ def print_table(rows, file=sys.stdout):
             f"{r['predict_img_s_best']:10.1f}/{r['predict_img_s_median']:10.1f}  "
             f"{r.get('predict_x_larq-style_median', float('nan')):7.2f}x "
             f"{mem / 2**20 if mem else float('nan'):10.2f} "
-            f"{r.get('peak_per_sample_x_lower_than_larq_style', float('nan')):5.2f}",
+            f"{r.get('peak_per_sample_x_lower_than_larq_style', float('nan')):5.2f} "
+            f"{r.get('tensor_peak_bytes_per_sample', float('nan')) / 2**20:10.2f} "
+            f"{r.get('tensor_peak_x_lower_than_larq_style', float('nan')):5.2f}",
             file=file,
         )
 
@@ -678,11 +731,13 @@ def markdown(result):
         "| model | px | batch | impl | input estimator | train img/s best / median | "
         "train x larq-style (min / med) | train x larq (med) | train x float (med) | "
         "predict img/s best / median | predict x larq-style (min / med) | "
-        "peak MiB/sample | memory x lower than larq-style |",
-        "|" + "---|" * 13,
+        "peak MiB/sample | memory x lower than larq-style | "
+        "tensor peak MiB/sample | tensor peak x lower than larq-style |",
+        "|" + "---|" * 15,
     ]
     for r in result["rows"]:
         mem = r.get("peak_bytes_per_sample_median")
+        tensor = r.get("tensor_peak_bytes_per_sample")
         lines.append(
             f"| {r['model']} | {r['size']} | {r['batch']} | {r['impl']} | {r['estimator'] or '-'} "
             f"| {f(r['train_img_s_best'])} / {f(r['train_img_s_median'])} "
@@ -694,7 +749,9 @@ def markdown(result):
             f"| {f(r.get('predict_x_larq-style_min'), '.2f')} / "
             f"{f(r.get('predict_x_larq-style_median'), '.2f')} "
             f"| {f(mem / 2**20 if mem else None, '.2f')} "
-            f"| {f(r.get('peak_per_sample_x_lower_than_larq_style'), '.2f')} |"
+            f"| {f(r.get('peak_per_sample_x_lower_than_larq_style'), '.2f')} "
+            f"| {f(tensor / 2**20 if tensor else None, '.2f')} "
+            f"| {f(r.get('tensor_peak_x_lower_than_larq_style'), '.2f')} |"
         )
     for p in result.get("profiles", []):
         lines += [
@@ -738,12 +795,13 @@ def plot(rows, path):
         ("train vs float", "train_x_float_median"),
         ("predict vs larq-style", "predict_x_larq-style_median"),
         ("memory/sample vs larq-style", "peak_per_sample_x_lower_than_larq_style"),
+        ("tensor peak/sample vs larq-style", "tensor_peak_x_lower_than_larq_style"),
     ]
     fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(ours)), 4.8))
     width = 0.8 / len(series)
     for i, (name, key) in enumerate(series):
         ax.bar(
-            [j + (i - 1.5) * width for j in range(len(ours))],
+            [j + (i - (len(series) - 1) / 2) * width for j in range(len(ours))],
             [r.get(key, 0) or 0 for r in ours],
             width,
             label=name,
@@ -784,6 +842,11 @@ def main():
     parser.add_argument("--profile-estimators", default="approx_sign,ste_sign")
     parser.add_argument("--profile-only", action="store_true")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument(
+        "--no-tensor-memory",
+        action="store_true",
+        help="skip the tensor-peak runs (BFC allocator statistics, batch 1 and the largest)",
+    )
     parser.add_argument("--out", default=str(RESULTS / "models.json"))
     parser.add_argument(
         "--append",
@@ -870,6 +933,35 @@ def main():
                             f"{r['load_start']:.2f}",
                             flush=True,
                         )
+    tensor_runs = []
+    if not (args.profile_only or args.no_tensor_memory) and max(batches) > 1:
+        seen = set()
+        for model, size, _, configs in groups:
+            for impl, est in configs:
+                if (model, size, impl, est) in seen:
+                    continue
+                seen.add((model, size, impl, est))
+                for batch in (1, max(batches)):
+                    cfg = dict(
+                        model=model,
+                        impl=impl,
+                        estimator=est,
+                        size=size,
+                        batch=batch,
+                        tensor_memory=True,
+                        round=f"{meta['started']}/tensor",
+                    )
+                    r = run_config(cfg, lq_python if impl == "larq" else sys.executable)
+                    tensor_runs.append(r)
+                    if "error" in r:
+                        print(f"tensor memory FAILED {model} {size} b{batch} {impl} {est}:")
+                        print(r["error"], flush=True)
+                    else:
+                        print(
+                            f"tensor peak {model:14s} {size}px b{batch:<2d} {impl:10s} "
+                            f"{est or '-':11s} {r['tensor_peak_bytes'] / 2**20:8.1f} MiB",
+                            flush=True,
+                        )
     profiles = []
     if not args.no_profile:
         for est in args.profile_estimators.split(","):
@@ -911,6 +1003,7 @@ def main():
         runs = previous.get("runs", []) + runs
         sessions = previous.get("sessions", []) + sessions
         profiles = profiles or previous.get("profiles", [])
+        tensor_runs = previous.get("tensor_memory", []) + tensor_runs
     # Groups (model, size, batch) and their configurations, in run order.
     groups = {}
     for r in runs:
@@ -918,6 +1011,7 @@ def main():
         if (r["impl"], r["estimator"]) not in configs:
             configs.append((r["impl"], r["estimator"]))
     rows = summarize(runs, [(*k, v) for k, v in groups.items()])
+    attach_tensor_memory(rows, tensor_runs)
     print()
     print_table(rows)
     import tensorflow as tf
@@ -930,6 +1024,7 @@ def main():
         "rows": rows or previous.get("rows", []),
         "runs": runs or previous.get("runs", []),
         "profiles": profiles or previous.get("profiles", []),
+        "tensor_memory": tensor_runs or previous.get("tensor_memory", []),
     }
     if args.profile_only and previous:  # keep the table's run metadata
         result = {
