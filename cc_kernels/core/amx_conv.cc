@@ -189,6 +189,10 @@ bool BackpropInputImpl(const ConvShape& s, const float* x,
           if (p < 0) continue;
           float* out = dx + p * C + c0;
           const float* xr = x + p * C + c0;
+          if (act_est == Estimator::kApproxSign) {  // vectorized
+            for (int64_t j = 0; j < c_n; ++j) out[j] *= ApproxSignGrad(xr[j]);
+            continue;
+          }
           for (int64_t j = 0; j < c_n; ++j) {
             out[j] *= ActGrad(act_est, xr[j], clip);
           }

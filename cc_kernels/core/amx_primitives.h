@@ -331,6 +331,7 @@ inline void InterleaveRows16(const uint16_t* r0, const uint16_t* r1,
 inline float ActGrad(Estimator e, float x, double clip) {
   if (e == Estimator::kNone) return 1.0f;
   if (e == Estimator::kSteSign) return std::abs(x) <= clip ? 1.0f : 0.0f;
+  if (e == Estimator::kApproxSign) return ApproxSignGrad(x);
   return static_cast<float>(EstimatorGrad(e, x, clip));
 }
 

@@ -48,6 +48,11 @@ void ApplyInputEstimator(const ConvShape& s, const T* x, Estimator act_est,
       }
       return;
     }
+    if (act_est == Estimator::kApproxSign) {  // Bi-Real-Net's, vectorized
+      for (int64_t i = r0 * row_len; i < end; ++i)
+        g[i] *= ApproxSignGrad(xs[i]);
+      return;
+    }
     for (int64_t i = r0 * row_len; i < end; ++i) {
       g[i] *= static_cast<T>(EstimatorGrad(act_est, xs[i], clip));
     }

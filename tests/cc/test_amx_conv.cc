@@ -110,14 +110,16 @@ void TestForwardSingleProduct(std::mt19937_64& rng) {
   }
 }
 
-// dx[p, c] = dy[p] * alpha * sign(w[c]) [* 1{|x| <= 1}].
+// dx[p, c] = dy[p] * alpha * sign(w[c]) [* e'(x)]: no mask, ste_sign's
+// 1{|x| <= 1}, approx_sign's 2 - 2|x| (EstimatorGrad rounded to float).
 void TestBackpropInputSingleProduct(std::mt19937_64& rng) {
   const ConvShape s = Shape1x1(2, 6, 5, 41, 1);
   const std::vector<float> x = FullMantissa(rng, 2 * 6 * 5 * 41);
   const std::vector<float> w = FullMantissa(rng, 41);
   const std::vector<float> dy = FullMantissa(rng, 2 * 6 * 5);
   const float alpha = 0.8125f + std::abs(w[0]);
-  for (Estimator est : {Estimator::kNone, Estimator::kSteSign}) {
+  for (Estimator est :
+       {Estimator::kNone, Estimator::kSteSign, Estimator::kApproxSign}) {
     std::vector<float> dx(x.size(), -7.0f);
     Check(tapehook::amx::BackpropInput(s, x.data(), w.data(), dy.data(), est,
                                        1.0, &alpha, dx.data(), kSerial),
@@ -125,15 +127,16 @@ void TestBackpropInputSingleProduct(std::mt19937_64& rng) {
     int bad = 0;
     for (size_t p = 0; p < dy.size(); ++p) {
       for (int c = 0; c < 41; ++c) {
-        const float mask =
-            est == Estimator::kNone || std::abs(x[p * 41 + c]) <= 1.0f ? 1.f
-                                                                       : 0.f;
+        const float mask = static_cast<float>(
+            tapehook::EstimatorGrad(est, x[p * 41 + c], 1.0));
         const float want = dy[p] * (alpha * SignOf(w[c])) * mask;
         bad += !SameBits(dx[p * 41 + c], want);
       }
     }
     Check(bad == 0, est == Estimator::kNone ? "backprop-input exact"
-                                            : "backprop-input with mask exact");
+                    : est == Estimator::kSteSign
+                        ? "backprop-input with mask exact"
+                        : "backprop-input approx_sign exact");
   }
 }
 

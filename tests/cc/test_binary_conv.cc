@@ -548,6 +548,50 @@ void TestParsingAndEstimators() {
   for (double t : {1e308, -1e308, inf, -inf}) {
     CHECK(EstimatorGrad(Estimator::kSwishSign, t, 1.0) == 0.0, "swish(%g)", t);
   }
+  // The inline approx_sign e'(t) the kernels' loops use is EstimatorGrad
+  // rounded to the input's type, bit for bit: edge values, every float of
+  // [-1, 1] near the kink points, and random floats and doubles.
+  {
+    const float fi = std::numeric_limits<float>::infinity();
+    std::vector<float> ts = {0.0f,
+                             -0.0f,
+                             1.0f,
+                             -1.0f,
+                             0.5f,
+                             2.0f,
+                             fi,
+                             -fi,
+                             std::numeric_limits<float>::quiet_NaN(),
+                             std::numeric_limits<float>::denorm_min(),
+                             std::nextafter(1.0f, 2.0f),
+                             std::nextafter(1.0f, 0.0f),
+                             -std::nextafter(1.0f, 0.0f)};
+    for (float c : {0.0f, 0.5f, 1.0f}) {  // 4096 floats on each side of c
+      float up = c, down = c;
+      for (int i = 0; i < 4096; ++i) {
+        ts.push_back(up = std::nextafter(up, 2.0f));
+        ts.push_back(down = std::nextafter(down, -2.0f));
+      }
+    }
+    std::mt19937 rng(7);
+    std::uniform_real_distribution<float> uf(-1.5f, 1.5f);
+    for (int i = 0; i < 200000; ++i) ts.push_back(uf(rng));
+    for (float t : ts) {
+      const float want =
+          static_cast<float>(EstimatorGrad(Estimator::kApproxSign, t, 1.0));
+      const float got = tapehook::ApproxSignGrad(t);
+      CHECK(std::memcmp(&want, &got, sizeof(float)) == 0,
+            "ApproxSignGrad(%.9g) = %.9g, EstimatorGrad %.9g", t, got, want);
+    }
+    std::uniform_real_distribution<double> ud(-1.5, 1.5);
+    for (int i = 0; i < 100000; ++i) {
+      const double t = ud(rng);
+      const double want = EstimatorGrad(Estimator::kApproxSign, t, 1.0);
+      const double got = tapehook::ApproxSignGrad(t);
+      CHECK(std::memcmp(&want, &got, sizeof(double)) == 0,
+            "ApproxSignGrad(%.17g) = %.17g, EstimatorGrad %.17g", t, got, want);
+    }
+  }
   for (double t : {-1000.0, -200.0, -3.0, -0.3, 0.1, 0.7, 2.0, 200.0, 1e300}) {
     for (int k = 1; k < 4; ++k) {
       const Estimator est = static_cast<Estimator>(k);
