@@ -1,0 +1,129 @@
+"""A binary conv's whole backward (dX and dW, what ``gradient.binary_backward``
+builds) on the kernels against the stock route, per shape and batch.
+
+bench/backprops.py times the kernel ops against bare stock backprops on
+ready ±1 operands. A training step that takes the stock route pays more: the
+binarized filter alpha * sign(W), the unpacked input bits, the estimator
+masks. This bench traces ``gradient.binary_backward`` twice per case, under
+``TAPEHOOK_DISPATCH=stock`` and under ``auto`` (or ``kernels``), with the
+inputs a Bi-Real-Net training step gives it (ste_sign: the packed input bits;
+approx_sign: x), and times both, alternating (min and median over repeats,
+best of ``--calls`` each). Where the kernels lose to the stock route, the
+dispatcher's small-work rule (dispatch.BACKPROP_MIN_MACS) sends the backward
+to stock.
+
+    python bench/backward_route.py                       # writes bench/results/backward_route.json
+    python bench/backward_route.py --batches 1,4 --policy kernels
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+# (name, h, w, in_c, out_c, stride): binary 3x3 convs of Bi-Real-Net-18 and
+# QuickNet-small at 112 and 224 px
+SHAPES = [
+    ("28x28x64->64 s1", 28, 28, 64, 64, 1),
+    ("14x14x128->128 s1", 14, 14, 128, 128, 1),
+    ("7x7x256->256 s1", 7, 7, 256, 256, 1),
+    ("4x4x512->512 s1", 4, 4, 512, 512, 1),
+    ("7x7x256->512 s2", 7, 7, 256, 512, 2),
+    ("28x28x32->32 s1", 28, 28, 32, 32, 1),
+    ("14x14x64->64 s1", 14, 14, 64, 64, 1),
+    ("56x56x64->64 s1", 56, 56, 64, 64, 1),
+    ("7x7x512->512 s1", 7, 7, 512, 512, 1),
+]
+
+
+def _best(fn, calls):
+    best = float("inf")
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def _backward(gradient, tf, source, wt, dy, spec, attrs):
+    return lambda: gradient.binary_backward(source, tf.convert_to_tensor(wt), dy, spec, attrs)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,4,8,32")
+    parser.add_argument("--estimators", default="ste_sign,approx_sign")
+    parser.add_argument("--policy", default="kernels", help="auto or kernels, against stock")
+    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--only", default="")
+    parser.add_argument(
+        "--out", default=str(pathlib.Path(__file__).parent / "results" / "backward_route.json")
+    )
+    args = parser.parse_args()
+
+    import tensorflow as tf
+
+    import tapehook
+    from tapehook import gradient, packing
+
+    tf.config.threading.set_intra_op_parallelism_threads(2)
+    rows = []
+    print(
+        f"{'shape':20} {'b':>3} {'estimator':12} {'MMAC':>6} {'stock ms':>13} "
+        f"{args.policy + ' ms':>13} {'x min/med':>10}"
+    )
+    for batch in [int(b) for b in args.batches.split(",")]:
+        for name, h, w, ci, co, s in SHAPES:
+            if args.only not in name:
+                continue
+            oh, ow = -(-h // s), -(-w // s)
+            rng = tf.random.Generator.from_seed(0)
+            x = rng.normal([batch, h, w, ci])
+            wt = tf.Variable(rng.normal([3, 3, ci, co]) * 0.1)
+            dy = rng.normal([batch, oh, ow, co])
+            attrs = dict(
+                strides=[1, s, s, 1],
+                padding="SAME",
+                explicit_paddings=[],
+                data_format="NHWC",
+                dilations=[1, 1, 1, 1],
+            )
+            for est in args.estimators.split(","):
+                spec = tapehook.BinarySpec(
+                    activations=True if est == "ste_sign" else est, scale="mean_abs"
+                )
+                source = packing.pack_input(x, spec) if est == "ste_sign" else x
+                fns = {}
+                for policy in ("stock", args.policy):
+                    os.environ["TAPEHOOK_DISPATCH"] = policy
+                    fn = tf.function(_backward(gradient, tf, source, wt, dy, spec, attrs))
+                    fn()  # traced under this policy
+                    fns[policy] = fn
+                os.environ.pop("TAPEHOOK_DISPATCH")
+                times = {p: [] for p in fns}
+                for r in range(args.repeats):
+                    order = list(fns.items())
+                    for p, fn in order if r % 2 == 0 else order[::-1]:
+                        times[p].append(_best(fn, args.calls))
+                ms = {p: {"min": min(v), "median": statistics.median(v)} for p, v in times.items()}
+                a, b = ms["stock"], ms[args.policy]
+                ratio = (a["min"] / b["min"], a["median"] / b["median"])
+                macs = batch * oh * ow * 9 * ci * co
+                rows.append(dict(shape=name, batch=batch, estimator=est, macs=macs, ms=ms, x=ratio))
+                print(
+                    f"{name:20} {batch:3d} {est:12} {macs / 1e6:6.0f} "
+                    f"{a['min']:6.2f}/{a['median']:6.2f} {b['min']:6.2f}/{b['median']:6.2f} "
+                    f"{ratio[0]:4.2f}/{ratio[1]:4.2f}",
+                    flush=True,
+                )
+    result = {"policy": args.policy, "calls": args.calls, "repeats": args.repeats, "rows": rows}
+    pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
