@@ -164,16 +164,16 @@ def choose(
     min_taps = 1 if packed or not filter_grad else AMX_MIN_TAPS
     if not _amx_pays(capabilities, attrs, x_shape, w_shape, min_taps):
         return otherwise
-    small_image = _known(x_shape, 3) and int(x_shape[1]) * int(x_shape[2]) < AMX_MIN_IMAGE_PIXELS
-    if small_image and otherwise != STOCK and (binary_input or not filter_grad):
-        return otherwise  # the sign-table kernels beat AMX on small images
+    image = int(x_shape[1]) * int(x_shape[2]) if _known(x_shape, 3) else None
     if (
-        filter_grad
-        and binary_input
-        and not packed
-        and _known(x_shape, 3)
-        and int(x_shape[1]) * int(x_shape[2]) < DW_MIN_IMAGE_PIXELS
+        image is not None
+        and image < AMX_MIN_IMAGE_PIXELS
+        and otherwise != STOCK
+        and (binary_input or not filter_grad)
     ):
+        return otherwise  # the sign-table kernels beat AMX on small images
+    small_for_dw = image is not None and image < DW_MIN_IMAGE_PIXELS
+    if filter_grad and binary_input and not packed and small_for_dw:
         return otherwise
     # dW of a weight-only conv is float x float: no exact operand, so AMX needs
     # six bf16 products per term, slower than oneDNN's backprop-filter.
