@@ -8,12 +8,15 @@ masks. This bench traces ``gradient.binary_backward`` twice per case, under
 ``TAPEHOOK_DISPATCH=stock`` and under ``auto`` (or ``kernels``), with the
 inputs a Bi-Real-Net training step gives it (ste_sign: the packed input bits;
 approx_sign: x), and times both, alternating (min and median over repeats,
-best of ``--calls`` each). Where the kernels lose to the stock route, the
-dispatcher's small-work rule (dispatch.BACKPROP_MIN_MACS) sends the backward
-to stock.
+best of ``--calls`` each), at bench/backprops.py's Bi-Real-Net / QuickNet
+shapes. On the 2-core AMX Xeon of bench/results/backward_route.json the
+auto route was 1.18-2.7x faster than the stock route in every case (batch
+1-32), so the dispatcher has no rule sending small backprops to stock; a
+bare stock backprop on ready operands (bench/backprops.py) does beat the
+kernels at batch 1, but that is not what the stock route runs.
 
     python bench/backward_route.py                       # writes bench/results/backward_route.json
-    python bench/backward_route.py --batches 1,4 --policy kernels
+    python bench/backward_route.py --batches 1,4 --policy kernels   # the best plan everywhere
 """
 
 import argparse
@@ -21,32 +24,12 @@ import json
 import os
 import pathlib
 import statistics
-import time
+
+# bench/backprops.py's model shapes, and its timing (best of ``calls`` calls)
+from backprops import SHAPES
+from backprops import _time as _best
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-
-# (name, h, w, in_c, out_c, stride): binary 3x3 convs of Bi-Real-Net-18 and
-# QuickNet-small at 112 and 224 px
-SHAPES = [
-    ("28x28x64->64 s1", 28, 28, 64, 64, 1),
-    ("14x14x128->128 s1", 14, 14, 128, 128, 1),
-    ("7x7x256->256 s1", 7, 7, 256, 256, 1),
-    ("4x4x512->512 s1", 4, 4, 512, 512, 1),
-    ("7x7x256->512 s2", 7, 7, 256, 512, 2),
-    ("28x28x32->32 s1", 28, 28, 32, 32, 1),
-    ("14x14x64->64 s1", 14, 14, 64, 64, 1),
-    ("56x56x64->64 s1", 56, 56, 64, 64, 1),
-    ("7x7x512->512 s1", 7, 7, 512, 512, 1),
-]
-
-
-def _best(fn, calls):
-    best = float("inf")
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best * 1e3
 
 
 def _backward(gradient, tf, source, wt, dy, spec, attrs):
@@ -57,9 +40,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,4,8,32")
     parser.add_argument("--estimators", default="ste_sign,approx_sign")
-    parser.add_argument("--policy", default="kernels", help="auto or kernels, against stock")
+    parser.add_argument("--policy", default="auto", help="auto or kernels, against stock")
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sizes", default="112,224", help="model sizes whose shapes run")
     parser.add_argument("--only", default="")
     parser.add_argument(
         "--out", default=str(pathlib.Path(__file__).parent / "results" / "backward_route.json")
@@ -78,7 +62,7 @@ def main():
         f"{args.policy + ' ms':>13} {'x min/med':>10}"
     )
     for batch in [int(b) for b in args.batches.split(",")]:
-        for name, h, w, ci, co, s in SHAPES:
+        for name, h, w, ci, co, s in [shape for z in args.sizes.split(",") for shape in SHAPES[z]]:
             if args.only not in name:
                 continue
             oh, ow = -(-h // s), -(-w // s)
@@ -116,7 +100,7 @@ def main():
                 macs = batch * oh * ow * 9 * ci * co
                 rows.append(dict(shape=name, batch=batch, estimator=est, macs=macs, ms=ms, x=ratio))
                 print(
-                    f"{name:20} {batch:3d} {est:12} {macs / 1e6:6.0f} "
+                    f"{name:30} {batch:3d} {est:12} {macs / 1e6:6.0f} "
                     f"{a['min']:6.2f}/{a['median']:6.2f} {b['min']:6.2f}/{b['median']:6.2f} "
                     f"{ratio[0]:4.2f}/{ratio[1]:4.2f}",
                     flush=True,

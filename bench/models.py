@@ -553,6 +553,20 @@ def run_config(cfg, python):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def run_reported(cfg, lq_python):
+    """run_config with the python of the configuration's implementation; a
+    failure is printed (and returned, with its error)."""
+    r = run_config(cfg, lq_python if cfg["impl"] == "larq" else sys.executable)
+    if "error" in r:
+        what = " tensor memory" if cfg.get("tensor_memory") else ""
+        print(
+            f"FAILED{what} {cfg['model']} {cfg['size']} b{cfg['batch']} {cfg['impl']} "
+            f"{cfg['estimator']}:\n{r['error']}",
+            flush=True,
+        )
+    return r
+
+
 def steps_for(batch, quick):
     """(warm-up, timed) steps for fit and predict."""
     if batch == 1:
@@ -917,14 +931,9 @@ def main():
                         predict_steps=predict,
                         round=f"{meta['started']}/{rnd}",
                     )
-                    r = run_config(cfg, lq_python if impl == "larq" else sys.executable)
+                    r = run_reported(cfg, lq_python)
                     runs.append(r)
-                    if "error" in r:
-                        print(
-                            f"FAILED {model} {size} b{batch} {impl} {est}:\n{r['error']}",
-                            flush=True,
-                        )
-                    else:
+                    if "error" not in r:
                         print(
                             f"round {rnd} {model:14s} {size}px b{batch:<2d} {impl:10s} "
                             f"{est or '-':11s} train {r['train_img_s']:8.1f} img/s  predict "
@@ -951,12 +960,9 @@ def main():
                         tensor_memory=True,
                         round=f"{meta['started']}/tensor",
                     )
-                    r = run_config(cfg, lq_python if impl == "larq" else sys.executable)
+                    r = run_reported(cfg, lq_python)
                     tensor_runs.append(r)
-                    if "error" in r:
-                        print(f"tensor memory FAILED {model} {size} b{batch} {impl} {est}:")
-                        print(r["error"], flush=True)
-                    else:
+                    if "error" not in r:
                         print(
                             f"tensor peak {model:14s} {size}px b{batch:<2d} {impl:10s} "
                             f"{est or '-':11s} {r['tensor_peak_bytes'] / 2**20:8.1f} MiB",
