@@ -58,6 +58,22 @@ SHAPES_224 = [
 SHAPES = {"112": SHAPES_112, "224": SHAPES_224}
 
 
+def select_shapes(sizes, only=""):
+    """The shapes of the model sizes ``sizes`` ("112,224") whose name contains ``only``."""
+    return [shape for size in sizes.split(",") for shape in SHAPES[size] if only in shape[0]]
+
+
+def conv_attrs(stride):
+    """The attrs of the benched convs: 3x3 SAME, NHWC, undilated."""
+    return dict(
+        strides=[1, stride, stride, 1],
+        padding="SAME",
+        explicit_paddings=[],
+        data_format="NHWC",
+        dilations=[1, 1, 1, 1],
+    )
+
+
 def _time(fn, calls):
     best = float("inf")
     for _ in range(calls):
@@ -65,6 +81,18 @@ def _time(fn, calls):
         fn()
         best = min(best, time.perf_counter() - start)
     return best * 1e3
+
+
+def time_alternating(fns, repeats, calls):
+    """{name: {"min", "median"}} in ms of each (traced) function: the best of
+    ``calls`` calls, ``repeats`` times, the functions alternating in order
+    and reversed."""
+    times = {name: [] for name in fns}
+    for repeat in range(repeats):
+        order = list(fns.items())
+        for name, fn in order if repeat % 2 == 0 else order[::-1]:
+            times[name].append(_time(fn, calls))
+    return {name: {"min": min(v), "median": statistics.median(v)} for name, v in times.items()}
 
 
 def _candidates(tf, tapehook, shape, plans, batch):
@@ -79,13 +107,7 @@ def _candidates(tf, tapehook, shape, plans, batch):
     spec = tapehook.BinarySpec(activations=True, scale="mean_abs")
     alpha = tf.reduce_mean(tf.abs(wt), axis=[0, 1, 2])
     w_hat, x_hat = alpha * tf.sign(wt), tf.where(x >= 0, 1.0, -1.0)
-    attrs = dict(
-        strides=[1, s, s, 1],
-        padding="SAME",
-        explicit_paddings=[],
-        data_format="NHWC",
-        dilations=[1, 1, 1, 1],
-    )
+    attrs = conv_attrs(s)
     lib = kernels.library()
     packed = packing.pack_input(x, spec)
     stride = [1, s, s, 1]
@@ -150,20 +172,12 @@ def main():
     print(
         f"{'shape':30} {'backprop':10} {'plan':8} {'stock ms':>15} {'tapehook ms':>15} {'x min/med':>11}"
     )
-    for shape in [s for size in args.sizes.split(",") for s in SHAPES[size]]:
-        if args.only not in shape[0]:
-            continue
+    for shape in select_shapes(args.sizes, args.only):
         fns = _candidates(tf, tapehook, shape, plans, args.batch)
         for fn in fns.values():
             fn()  # trace and warm up
-        times = {name: [] for name in fns}
-        for repeat in range(args.repeats):
-            order = list(fns.items())
-            for name, fn in order if repeat % 2 == 0 else order[::-1]:
-                times[name].append(_time(fn, args.calls))
-        row = {"shape": shape[0], "batch": args.batch, "plans": plans, "ms": {}}
-        for name, values in times.items():
-            row["ms"][name] = {"min": min(values), "median": statistics.median(values)}
+        row = {"shape": shape[0], "batch": args.batch, "plans": plans}
+        row["ms"] = time_alternating(fns, args.repeats, args.calls)
         for what in ("dX", "dW", "dW packed"):
             a = row["ms"][f"{what.split()[0]} stock"]
             for plan in plans:

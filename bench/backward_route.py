@@ -23,11 +23,9 @@ import argparse
 import json
 import os
 import pathlib
-import statistics
 
-# bench/backprops.py's model shapes, and its timing (best of ``calls`` calls)
-from backprops import SHAPES
-from backprops import _time as _best
+# bench/backprops.py's model shapes, conv attrs and alternating timing
+from backprops import conv_attrs, select_shapes, time_alternating
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -58,25 +56,17 @@ def main():
     tf.config.threading.set_intra_op_parallelism_threads(2)
     rows = []
     print(
-        f"{'shape':20} {'b':>3} {'estimator':12} {'MMAC':>6} {'stock ms':>13} "
+        f"{'shape':30} {'b':>3} {'estimator':12} {'MMAC':>6} {'stock ms':>13} "
         f"{args.policy + ' ms':>13} {'x min/med':>10}"
     )
     for batch in [int(b) for b in args.batches.split(",")]:
-        for name, h, w, ci, co, s in [shape for z in args.sizes.split(",") for shape in SHAPES[z]]:
-            if args.only not in name:
-                continue
+        for name, h, w, ci, co, s in select_shapes(args.sizes, args.only):
             oh, ow = -(-h // s), -(-w // s)
             rng = tf.random.Generator.from_seed(0)
             x = rng.normal([batch, h, w, ci])
             wt = tf.Variable(rng.normal([3, 3, ci, co]) * 0.1)
             dy = rng.normal([batch, oh, ow, co])
-            attrs = dict(
-                strides=[1, s, s, 1],
-                padding="SAME",
-                explicit_paddings=[],
-                data_format="NHWC",
-                dilations=[1, 1, 1, 1],
-            )
+            attrs = conv_attrs(s)
             for est in args.estimators.split(","):
                 spec = tapehook.BinarySpec(
                     activations=True if est == "ste_sign" else est, scale="mean_abs"
@@ -89,12 +79,7 @@ def main():
                     fn()  # traced under this policy
                     fns[policy] = fn
                 os.environ.pop("TAPEHOOK_DISPATCH")
-                times = {p: [] for p in fns}
-                for r in range(args.repeats):
-                    order = list(fns.items())
-                    for p, fn in order if r % 2 == 0 else order[::-1]:
-                        times[p].append(_best(fn, args.calls))
-                ms = {p: {"min": min(v), "median": statistics.median(v)} for p, v in times.items()}
+                ms = time_alternating(fns, args.repeats, args.calls)
                 a, b = ms["stock"], ms[args.policy]
                 ratio = (a["min"] / b["min"], a["median"] / b["median"])
                 macs = batch * oh * ow * 9 * ci * co

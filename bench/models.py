@@ -553,17 +553,21 @@ def run_config(cfg, python):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def config_label(cfg):
+    """A configuration in the progress lines: model, size, batch, impl, estimator."""
+    return (
+        f"{cfg['model']:14s} {cfg['size']}px b{cfg['batch']:<2d} {cfg['impl']:10s} "
+        f"{cfg['estimator'] or '-':11s}"
+    )
+
+
 def run_reported(cfg, lq_python):
     """run_config with the python of the configuration's implementation; a
     failure is printed (and returned, with its error)."""
     r = run_config(cfg, lq_python if cfg["impl"] == "larq" else sys.executable)
     if "error" in r:
         what = " tensor memory" if cfg.get("tensor_memory") else ""
-        print(
-            f"FAILED{what} {cfg['model']} {cfg['size']} b{cfg['batch']} {cfg['impl']} "
-            f"{cfg['estimator']}:\n{r['error']}",
-            flush=True,
-        )
+        print(f"FAILED{what} {config_label(cfg)}:\n{r['error']}", flush=True)
     return r
 
 
@@ -935,8 +939,8 @@ def main():
                     runs.append(r)
                     if "error" not in r:
                         print(
-                            f"round {rnd} {model:14s} {size}px b{batch:<2d} {impl:10s} "
-                            f"{est or '-':11s} train {r['train_img_s']:8.1f} img/s  predict "
+                            f"round {rnd} {config_label(cfg)} train "
+                            f"{r['train_img_s']:8.1f} img/s  predict "
                             f"{r['predict_img_s']:8.1f} img/s  peak "
                             f"{r['peak_rss_bytes'] / 2**20:6.0f} MiB  load "
                             f"{r['load_start']:.2f}",
@@ -964,8 +968,8 @@ def main():
                     tensor_runs.append(r)
                     if "error" not in r:
                         print(
-                            f"tensor peak {model:14s} {size}px b{batch:<2d} {impl:10s} "
-                            f"{est or '-':11s} {r['tensor_peak_bytes'] / 2**20:8.1f} MiB",
+                            f"tensor peak {config_label(cfg)} "
+                            f"{r['tensor_peak_bytes'] / 2**20:8.1f} MiB",
                             flush=True,
                         )
     profiles = []
