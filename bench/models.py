@@ -59,7 +59,10 @@ RECIPES = {
         estimators=("ste_sign", "approx_sign"), clip=1.25, scale=None, pad_value=1.0
     ),
 }
-IMPLS = ("float", "larq-style", "tapehook", "larq")
+IMPLS = ("float", "larq-style", "tapehook", "tapehook-fbn", "larq")
+# tapehook's implementations: "tapehook-fbn" is "tapehook" with the model's
+# batch norms tapehook.layers.BatchNormalization (fused) instead of Keras's.
+TAPEHOOK_IMPLS = ("tapehook", "tapehook-fbn")
 
 
 # ---------------------------------------------------------------------------
@@ -69,11 +72,13 @@ IMPLS = ("float", "larq-style", "tapehook", "larq")
 # with "binary" (tapehook.binarize(include="binary*")).
 
 
-def birealnet18(K, binary_conv, size, classes=CLASSES, filters=64):
+def birealnet18(K, binary_conv, size, classes=CLASSES, filters=64, batch_norm=None):
     """Bi-Real-Net-18 (Liu et al. 2018, larq-zoo): float 7x7 stem, 16 binary
     3x3 convs each with BN and a float shortcut (on downsampling: 2x2 average
-    pool, 1x1 conv, BN), global average pool, float classifier."""
+    pool, 1x1 conv, BN), global average pool, float classifier. ``batch_norm``:
+    the BN layer class (default Keras's)."""
     L = K.layers
+    BN = batch_norm or L.BatchNormalization
     inputs = K.Input((size, size, 3))
     x = L.Conv2D(
         filters,
@@ -84,7 +89,7 @@ def birealnet18(K, binary_conv, size, classes=CLASSES, filters=64):
         kernel_initializer="glorot_normal",
         name="stem",
     )(inputs)
-    x = L.BatchNormalization(momentum=0.8)(x)
+    x = BN(momentum=0.8)(x)
     x = L.MaxPooling2D(3, strides=2, padding="same")(x)
     widths = [filters] * 4 + [2 * filters] * 4 + [4 * filters] * 4 + [8 * filters] * 4
     for i, width in enumerate(widths):
@@ -95,9 +100,9 @@ def birealnet18(K, binary_conv, size, classes=CLASSES, filters=64):
             shortcut = L.Conv2D(
                 width, 1, use_bias=False, kernel_initializer="glorot_normal", name=f"shortcut{i}"
             )(shortcut)
-            shortcut = L.BatchNormalization(momentum=0.8)(shortcut)
+            shortcut = BN(momentum=0.8)(shortcut)
         y = binary_conv(f"binary{i}", width, 3, strides, None)(x)
-        y = L.BatchNormalization(momentum=0.8)(y)
+        y = BN(momentum=0.8)(y)
         x = L.Add()([y, shortcut])
     x = L.GlobalAveragePooling2D()(x)
     outputs = L.Dense(classes, activation="softmax", name="head")(x)
@@ -115,14 +120,22 @@ def _blurpool(shape, dtype=None):
 
 
 def quicknet_small(
-    K, binary_conv, size, classes=CLASSES, filters=(32, 64, 256, 512), blocks=(4, 4, 4, 4)
+    K,
+    binary_conv,
+    size,
+    classes=CLASSES,
+    filters=(32, 64, 256, 512),
+    blocks=(4, 4, 4, 4),
+    batch_norm=None,
 ):
     """QuickNet-small (larq-zoo, v1.0): stem (3x3/2 conv, BN, ReLU, 3x3/2
     depthwise, BN, 1x1 conv, BN); per section, a float transition where the
     width changes (ReLU, 2x2 max pool stride 1, fixed blur-pool depthwise
     3x3/2, 1x1 conv, BN), then residual blocks x + BN(ReLU(binary 3x3 conv
-    padded with +1 (x))); ReLU, global average pool, float classifier."""
+    padded with +1 (x))); ReLU, global average pool, float classifier.
+    ``batch_norm``: the BN layer class (default Keras's)."""
     L = K.layers
+    BN = batch_norm or L.BatchNormalization
     inputs = K.Input((size, size, 3))
     x = L.Conv2D(
         filters[0] // 4,
@@ -133,14 +146,14 @@ def quicknet_small(
         kernel_initializer="he_normal",
         name="stem_conv",
     )(inputs)
-    x = L.BatchNormalization()(x)
+    x = BN()(x)
     x = L.ReLU()(x)
     x = L.DepthwiseConv2D(3, strides=2, padding="same", use_bias=False, name="stem_depthwise")(x)
-    x = L.BatchNormalization(scale=False, center=False)(x)
+    x = BN(scale=False, center=False)(x)
     x = L.Conv2D(
         filters[0], 1, use_bias=False, kernel_initializer="he_normal", name="stem_pointwise"
     )(x)
-    x = L.BatchNormalization()(x)
+    x = BN()(x)
     i = 0
     for section, (count, width) in enumerate(zip(blocks, filters)):
         for layer in range(count):
@@ -164,9 +177,9 @@ def quicknet_small(
                     kernel_initializer="glorot_normal",
                     name=f"transition{i}",
                 )(x)
-                x = L.BatchNormalization(momentum=0.9, epsilon=1e-5)(x)
+                x = BN(momentum=0.9, epsilon=1e-5)(x)
             y = binary_conv(f"binary{i}", int(x.shape[-1]), 3, 1, "relu")(x)
-            y = L.BatchNormalization(momentum=0.9, epsilon=1e-5)(y)
+            y = BN(momentum=0.9, epsilon=1e-5)(y)
             x = L.Add()([x, y])
             i += 1
     x = L.ReLU()(x)
@@ -249,7 +262,7 @@ def binary_conv_factory(K, impl, model, estimator):
 
     if impl == "float":
         return lambda *a: K.layers.Conv2D(**common(*a))
-    if impl == "tapehook":  # binarized after the model is built
+    if impl in TAPEHOOK_IMPLS:  # binarized after the model is built
         return lambda *a: K.layers.Conv2D(**common(*a), kernel_constraint=clip_constraint(K, clip))
     if impl == "larq":
         import larq as lq
@@ -316,8 +329,12 @@ def tapehook_spec(model, estimator):
 
 def build(K, model, impl, estimator, size, **kwargs):
     """The model of one configuration (tapehook's binarized)."""
+    if impl == "tapehook-fbn":
+        import tapehook
+
+        kwargs.setdefault("batch_norm", tapehook.layers.BatchNormalization)
     net = ARCHITECTURES[model](K, binary_conv_factory(K, impl, model, estimator), size, **kwargs)
-    if impl == "tapehook":
+    if impl in TAPEHOOK_IMPLS:
         import tapehook
 
         tapehook.binarize(net, include="binary*", **tapehook_spec(model, estimator))
@@ -439,7 +456,7 @@ def child(cfg):
         K = tf.keras
     else:
         import keras as K
-    if impl == "tapehook":
+    if impl in TAPEHOOK_IMPLS:
         import tapehook
 
     model, size, batch = cfg["model"], cfg["size"], cfg["batch"]
@@ -485,8 +502,8 @@ def child(cfg):
     net.fit(data, steps_per_epoch=warm + steps, epochs=1, verbose=0, callbacks=[timer])
     train = step_times(timer, warm)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    counts = tapehook.dispatch_counts() if impl == "tapehook" else None
-    info = tapehook.kernel_info()["cpu"] if impl == "tapehook" else {}
+    counts = tapehook.dispatch_counts() if impl in TAPEHOOK_IMPLS else None
+    info = tapehook.kernel_info()["cpu"] if impl in TAPEHOOK_IMPLS else {}
 
     profile = None
     if cfg.get("profile"):
@@ -556,7 +573,7 @@ def run_config(cfg, python):
 def config_label(cfg):
     """A configuration in the progress lines: model, size, batch, impl, estimator."""
     return (
-        f"{cfg['model']:14s} {cfg['size']}px b{cfg['batch']:<2d} {cfg['impl']:10s} "
+        f"{cfg['model']:14s} {cfg['size']}px b{cfg['batch']:<2d} {cfg['impl']:12s} "
         f"{cfg['estimator'] or '-':11s}"
     )
 
@@ -696,7 +713,7 @@ def attach_tensor_memory(rows, tensor_runs):
 
 def print_table(rows, file=sys.stdout):
     head = (
-        f"{'model':15s} {'px':>3s} {'b':>2s} {'impl':10s} {'input est':11s} "
+        f"{'model':15s} {'px':>3s} {'b':>2s} {'impl':12s} {'input est':11s} "
         f"{'train img/s best/med':>21s} {'x l-style':>9s} {'x float':>7s} "
         f"{'predict img/s best/med':>23s} {'x l-style':>9s} {'MiB/sample':>10s} {'mem x':>5s} "
         f"{'tensor MiB':>10s} {'x':>5s}"
@@ -705,7 +722,7 @@ def print_table(rows, file=sys.stdout):
     for r in rows:
         mem = r.get("peak_bytes_per_sample_median")
         print(
-            f"{r['model']:15s} {r['size']:3d} {r['batch']:2d} {r['impl']:10s} "
+            f"{r['model']:15s} {r['size']:3d} {r['batch']:2d} {r['impl']:12s} "
             f"{r['estimator'] or '-':11s} "
             f"{r['train_img_s_best']:9.1f}/{r['train_img_s_median']:9.1f}   "
             f"{r.get('train_x_larq-style_median', float('nan')):7.2f}x "
@@ -774,7 +791,7 @@ def markdown(result):
     for p in result.get("profiles", []):
         lines += [
             "",
-            f"Bi-Real-Net-18, tapehook, {p['estimator']} inputs, batch {p['batch']}, "
+            f"Bi-Real-Net-18, {p['impl']}, {p['estimator']} inputs, batch {p['batch']}, "
             f"{p['size']} px: {p['steps']} fit steps, {p['wall_ms']:.0f} ms wall, "
             f"{p['total_op_self_ms']:.0f} ms of op self time",
             "",
@@ -801,11 +818,12 @@ def plot(rows, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ours = [r for r in rows if r["impl"] == "tapehook"]
+    ours = [r for r in rows if r["impl"] in TAPEHOOK_IMPLS]
     if not ours:
         return
     labels = [
-        f"{r['model'].replace('_small', '-s')}\n{r['size']}px b{r['batch']}\n{r['estimator']}"
+        f"{r['model'].replace('_small', '-s')}\n{r['size']}px b{r['batch']}\n"
+        f"{r['estimator']}{' fbn' if r['impl'] == 'tapehook-fbn' else ''}"
         for r in ours
     ]
     series = [
@@ -851,13 +869,14 @@ def main():
         default=None,
         help="'own' (each model's), 'all' (default; quick: own), or names",
     )
-    parser.add_argument("--impls", default="float,larq-style,tapehook,larq")
+    parser.add_argument("--impls", default=",".join(IMPLS))
     parser.add_argument("--rounds", type=int, default=None, help="default 3 (quick: 1)")
     parser.add_argument(
         "--larq-python", default=None, help="python of a larq 0.14 env; 'none' to skip larq"
     )
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--profile-estimators", default="approx_sign,ste_sign")
+    parser.add_argument("--profile-impl", default="tapehook-fbn", choices=TAPEHOOK_IMPLS)
     parser.add_argument("--profile-only", action="store_true")
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument(
@@ -977,7 +996,7 @@ def main():
         for est in args.profile_estimators.split(","):
             cfg = dict(
                 model="birealnet18",
-                impl="tapehook",
+                impl=args.profile_impl,
                 estimator=est,
                 size=112,
                 batch=32,
@@ -995,13 +1014,13 @@ def main():
                     "model": "birealnet18",
                     "size": 112,
                     "batch": 32,
-                    "impl": "tapehook",
+                    "impl": args.profile_impl,
                     "estimator": est,
                     **r["profile"],
                     "dispatch_counts": r["dispatch_counts"],
                 }
             )
-            print(f"\nBi-Real-Net-18, tapehook, {est} inputs, batch 32, 112 px:")
+            print(f"\nBi-Real-Net-18, {args.profile_impl}, {est} inputs, batch 32, 112 px:")
             print_profile(profiles[-1])
 
     meta["load_end"] = os.getloadavg()

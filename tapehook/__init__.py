@@ -6,7 +6,7 @@ import, by one that reads those marks and dispatches to tapehook's binary
 kernels. See docs/design.md.
 """
 
-from tapehook import optimizers
+from tapehook import layers, optimizers
 from tapehook.callbacks import FlipRatio
 from tapehook.constraints import WeightClip
 from tapehook.counts import dispatch_counts, reset_dispatch_counts
@@ -45,6 +45,7 @@ __all__ = [
     "summary",
     "unmark",
     "WeightClip",
+    "layers",
     "optimizers",
 ]
 

@@ -1,0 +1,160 @@
+"""Keras layers tapehook adds beside the binary kernels.
+
+``BatchNormalization`` is Keras 3's layer (the same arguments, weights, math
+and moving-statistics update) whose training steps run TensorFlow's fused
+batch norm: one ``FusedBatchNormV3`` forward and one ``FusedBatchNormGradV3``
+backward (oneDNN's where TF turns oneDNN on), instead of the dozen
+elementwise and reduction ops per layer of Keras 3's TensorFlow backend.
+tf-keras, and so larq, trained on the fused op; Keras 3 does not. In a binary
+network a batch norm follows every binary conv, and Keras 3's is the largest
+float cost of a training step around the binary kernels
+(docs/models_perf.md). Opt-in: Keras's own layer is never changed.
+"""
+
+import keras
+import tensorflow as tf
+
+from tapehook.errors import TapehookError
+
+_PACKAGE = "tapehook"
+# FusedBatchNormV3's input types; Keras computes batch norm in
+# result_type(input, float32), so float64 inputs stay on Keras's ops.
+_FUSED_DTYPES = (tf.float32,)
+
+
+def _float32_or(weight, default):
+    """A layer's optional gamma / beta in float32, or ``default`` without it."""
+    return default if weight is None else tf.cast(weight, tf.float32)
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class BatchNormalization(keras.layers.BatchNormalization):
+    """``keras.layers.BatchNormalization`` trained on TensorFlow's fused op.
+
+    Takes every argument of Keras 3's layer, plus ``fused``, which decides
+    how *training* calls (``training=True`` on a trainable layer) run:
+
+    - ``None`` (default): the fused op where it applies — channels-last
+      (``axis`` the last axis) inputs of rank 2 to 5, float32 compute dtype
+      (mixed precision included: Keras computes batch norm in float32), no
+      mask, ``renorm=False``, ``synchronized=False`` — and Keras's ops, the
+      same math, otherwise;
+    - ``True``: the fused op, or a TapehookError naming what prevents it;
+    - ``False``: exactly Keras's layer.
+
+    Inference calls are always Keras's ops (``x * a + b``): the fused op does
+    not beat them there at small batches, and exported graphs stay Keras's.
+
+    Results equal Keras's to float rounding: outputs and gradients (through
+    the batch statistics), and the moving statistics updated as Keras does,
+    ``moving * momentum + batch * (1 - momentum)`` with the *biased* batch
+    variance (tf-keras's fused path used the Bessel-corrected one; this layer
+    keeps Keras 3's).
+    """
+
+    def __init__(self, *args, fused=None, **kwargs):
+        if fused not in (None, True, False):
+            raise TapehookError(
+                f"BatchNormalization(fused={fused!r}): fused is None (fused where it "
+                "applies), True or False"
+            )
+        super().__init__(*args, **kwargs)
+        self.fused = fused
+        if fused:
+            reason = self._config_reason()
+            if reason:
+                raise TapehookError(
+                    f"BatchNormalization(fused=True) with {reason}: TensorFlow's fused "
+                    "batch norm does not support it; pass fused=None (fused where it "
+                    "applies) or fused=False"
+                )
+
+    def _config_reason(self):
+        """Why the layer's configuration cannot run fused, or None."""
+        if self.renorm:
+            return "renorm=True"
+        if self.synchronized:
+            return "synchronized=True"
+        if keras.backend.backend() != "tensorflow":
+            return f"the {keras.backend.backend()} backend"
+        return None
+
+    def _input_reason(self, inputs, mask):
+        """Why this call cannot run fused, or None."""
+        reason = self._config_reason()
+        if reason:
+            return reason
+        if mask is not None:
+            return "a mask"
+        rank = inputs.shape.rank
+        if rank is None or not 2 <= rank <= 5:
+            return f"inputs of rank {rank} (fused: 2 to 5)"
+        if self.axis not in (-1, rank - 1):
+            return f"axis={self.axis} on rank-{rank} inputs (fused: the last axis, channels last)"
+        compute = tf.as_dtype(keras.backend.result_type(inputs.dtype, "float32"))
+        if compute not in _FUSED_DTYPES:
+            return f"compute dtype {compute.name} (fused: float32)"
+        return None
+
+    def call(self, inputs, training=None, mask=None):
+        if self.fused is False or not (training and self.trainable):
+            # Inference is Keras's two elementwise ops (x * a + b), which the
+            # fused op does not beat at small batches (bench/results/
+            # batch_norm.json); it also keeps exported graphs Keras's.
+            return super().call(inputs, training=training, mask=mask)
+        inputs = tf.convert_to_tensor(inputs)
+        reason = self._input_reason(inputs, mask)
+        if reason:
+            if self.fused:
+                raise TapehookError(
+                    f"BatchNormalization(fused=True) trained with {reason}: TensorFlow's "
+                    "fused batch norm does not support it; pass fused=None or fused=False"
+                )
+            return super().call(inputs, training=training, mask=mask)
+        return self._fused_training_call(inputs)
+
+    def _fused_training_call(self, inputs):
+        """Batch statistics, output and the moving-statistics update of one
+        training call, on FusedBatchNormV3 (its registered gradient,
+        FusedBatchNormGradV3, differentiates through the statistics)."""
+        channels = inputs.shape[-1]
+        x = tf.cast(inputs, tf.float32)
+        shape = tf.shape(x)
+        rank = inputs.shape.rank
+        # FusedBatchNormV3 takes NHWC: fold the middle axes into H (and W).
+        if rank == 2:
+            x4 = tf.reshape(x, [shape[0], 1, 1, channels])
+        elif rank == 3:
+            x4 = tf.reshape(x, [shape[0], shape[1], 1, channels])
+        elif rank == 5:
+            x4 = tf.reshape(x, [shape[0], shape[1] * shape[2], shape[3], channels])
+        else:
+            x4 = x
+        empty = tf.constant([], tf.float32)
+        y, mean, variance, _, _, _ = tf.raw_ops.FusedBatchNormV3(
+            x=x4,
+            scale=_float32_or(self.gamma, tf.ones([channels])),
+            offset=_float32_or(self.beta, tf.zeros([channels])),
+            mean=empty,
+            variance=empty,
+            epsilon=self.epsilon,
+            exponential_avg_factor=1.0,
+            data_format="NHWC",
+            is_training=True,
+        )
+        # The op returns the Bessel-corrected variance, n / max(n - 1, 1)
+        # times the biased one it normalizes with; Keras's moving variance
+        # averages the biased one.
+        n = tf.cast(tf.size(x4, out_type=tf.int64) // channels, tf.float32)
+        variance = variance * (tf.maximum(n - 1.0, 1.0) / tf.maximum(n, 1.0))
+        for moving, batch in ((self.moving_mean, mean), (self.moving_variance, variance)):
+            old = tf.cast(moving, tf.float32)
+            moving.assign(
+                tf.cast(old * self.momentum + batch * (1.0 - self.momentum), moving.dtype)
+            )
+        if rank != 4:
+            y = tf.reshape(y, shape)
+        return tf.cast(y, self.compute_dtype)
+
+    def get_config(self):
+        return {**super().get_config(), "fused": self.fused}

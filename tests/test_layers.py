@@ -1,0 +1,289 @@
+"""tapehook.layers.BatchNormalization against Keras 3's BatchNormalization
+(the independent reference: the same math on other ops) and a NumPy
+reference: outputs, gradients and moving statistics, in eager, tf.function,
+Keras fit and MirroredStrategy; that training calls run the fused op, and
+where and why they do not."""
+
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tapehook
+from tapehook.layers import BatchNormalization
+
+CONFIGS = {
+    "default": {},
+    "momentum_eps": dict(momentum=0.5, epsilon=1e-5),
+    "no_center": dict(center=False),
+    "no_scale_no_center": dict(scale=False, center=False),
+}
+SHAPES = {2: (6, 5), 3: (4, 3, 5), 4: (3, 4, 5, 6), 5: (2, 3, 2, 4, 5)}
+
+
+def _pair(shape, seed=0, **kwargs):
+    """Keras's layer and tapehook's, built, with the same random weights."""
+    ref, ours = keras.layers.BatchNormalization(**kwargs), BatchNormalization(**kwargs)
+    ref.build(shape)
+    ours.build(shape)
+    rng = np.random.default_rng(seed)
+    for a, b in zip(ref.weights, ours.weights):
+        value = rng.uniform(0.5, 1.5, a.shape).astype(np.float32)
+        a.assign(value)
+        b.assign(value)
+    return ref, ours
+
+
+def _inputs(shape, seed=1):
+    rng = np.random.default_rng(seed)
+    return tf.constant((rng.standard_normal(shape) * 2 + 0.5).astype(np.float32))
+
+
+def _train_call(layer, x, mode):
+    """Output and gradients (x, then trainable weights) of one training call
+    under a non-trivial loss."""
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True)
+            loss = tf.reduce_sum(y * tf.sin(y + 0.3))
+        return [y, *tape.gradient(loss, [x, *layer.trainable_variables])]
+
+    return (tf.function(step) if mode == "function" else step)(x)
+
+
+def _numpy_training(x, gamma, beta, mean0, var0, momentum, epsilon):
+    axes = tuple(range(x.ndim - 1))
+    mean, var = x.mean(axes, dtype=np.float64), x.var(axes, dtype=np.float64)
+    y = (x - mean) / np.sqrt(var + epsilon) * gamma + beta
+    return y, mean0 * momentum + mean * (1 - momentum), var0 * momentum + var * (1 - momentum)
+
+
+def _op_types(fn, *args):
+    return {op.type for op in fn.get_concrete_function(*args).graph.get_operations()}
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("rank", list(SHAPES))
+def test_training_matches_keras_and_numpy(rank, config, mode):
+    shape, kwargs = SHAPES[rank], CONFIGS[config]
+    ref, ours = _pair(shape, **kwargs)
+    x = _inputs(shape)
+    mean0, var0 = ours.moving_mean.numpy(), ours.moving_variance.numpy()
+    expected = _train_call(ref, x, mode)
+    got = _train_call(ours, x, mode)
+    assert len(got) == len(expected) == 2 + kwargs.get("scale", True) + kwargs.get("center", True)
+    for g, e, what in zip(got, expected, ["y", "dx", "d first weight", "d second weight"]):
+        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-5, atol=1e-5, err_msg=what)
+    for a, b in ((ours.moving_mean, ref.moving_mean), (ours.moving_variance, ref.moving_variance)):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-7)
+    gamma = ours.gamma.numpy() if ours.scale else 1.0
+    beta = ours.beta.numpy() if ours.center else 0.0
+    y, mean, var = _numpy_training(x.numpy(), gamma, beta, mean0, var0, ours.momentum, ours.epsilon)
+    np.testing.assert_allclose(got[0].numpy(), y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ours.moving_mean.numpy(), mean, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(ours.moving_variance.numpy(), var, rtol=1e-6, atol=1e-6)
+
+
+def test_training_runs_the_fused_op_and_inference_keras_ops():
+    shape = SHAPES[4]
+    ref, ours = _pair(shape)
+    x = _inputs(shape)
+
+    @tf.function
+    def train(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(ours(x, training=True) ** 2)
+        return tape.gradient(loss, x)
+
+    types = _op_types(train, x)
+    assert {"FusedBatchNormV3", "FusedBatchNormGradV3"} <= types
+    assert "SquaredDifference" not in types  # none of Keras's moments
+    infer = tf.function(lambda x: ours(x, training=False))
+    assert "FusedBatchNormV3" not in _op_types(infer, x)
+    # Inference is Keras's own computation: bit for bit.
+    np.testing.assert_array_equal(ours(x, training=False).numpy(), ref(x, training=False).numpy())
+    np.testing.assert_array_equal(ours(x).numpy(), ref(x).numpy())
+
+
+def test_edge_batches():
+    """One value per channel (variance 0), and a batch size known only when
+    the function runs."""
+    ref, ours = _pair((1, 1, 1, 3))
+    x = _inputs((1, 1, 1, 3))
+    for g, e in zip(_train_call(ours, x, "eager"), _train_call(ref, x, "eager")):
+        np.testing.assert_allclose(g.numpy(), e.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ours.moving_variance.numpy(), ref.moving_variance.numpy())
+    ref, ours = _pair((None, 4, 4, 3))
+    spec = [tf.TensorSpec([None, 4, 4, 3])]
+    x = _inputs((5, 4, 4, 3))
+    got = tf.function(lambda x: ours(x, training=True), input_signature=spec)(x)
+    expected = tf.function(lambda x: ref(x, training=True), input_signature=spec)(x)
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ours.moving_variance.numpy(), ref.moving_variance.numpy())
+
+
+@pytest.mark.parametrize(
+    "make,call,why",
+    [
+        (dict(renorm=True), {}, "renorm=True"),
+        (dict(synchronized=True), {}, "synchronized=True"),
+        (dict(axis=1), {}, "axis=1"),
+        ({}, dict(mask=True), "a mask"),
+        ({}, dict(dtype=tf.float64), "compute dtype float64"),
+    ],
+)
+def test_unsupported_falls_back_to_keras_or_raises_when_fused(make, call, why):
+    shape = (3, 4, 5, 6)
+    x = tf.cast(_inputs(shape), call.get("dtype", tf.float32))
+    mask = tf.constant(np.arange(60).reshape(3, 4, 5) % 3 > 0) if call.get("mask") else None
+    kwargs = dict(make)
+    if call.get("dtype") == tf.float64:
+        kwargs["dtype"] = "float64"
+    ref, ours = _pair(shape, **kwargs)
+    if mask is not None:
+        expected, got = ref(x, training=True, mask=mask), ours(x, training=True, mask=mask)
+    else:
+        expected, got = ref(x, training=True), ours(x, training=True)
+    # Keras's own ops, so the same result bit for bit.
+    np.testing.assert_array_equal(got.numpy(), expected.numpy())
+    np.testing.assert_array_equal(ours.moving_variance.numpy(), ref.moving_variance.numpy())
+    with pytest.raises(tapehook.TapehookError, match=why.replace("(", r"\(")) as err:
+        fused = BatchNormalization(fused=True, **kwargs)
+        fused.build(shape)
+        fused(x, training=True, mask=mask)
+    assert "fused=None" in str(err.value) and "fused=False" in str(err.value)
+
+
+def test_fused_false_is_keras_and_bad_fused_value():
+    shape = SHAPES[4]
+    ref, _ = _pair(shape)
+    ours = BatchNormalization(fused=False)
+    ours.build(shape)
+    for a, b in zip(ours.weights, ref.weights):
+        a.assign(b)
+    x = _inputs(shape)
+    for g, e in zip(_train_call(ours, x, "function"), _train_call(ref, x, "function")):
+        np.testing.assert_array_equal(g.numpy(), e.numpy())
+    with pytest.raises(tapehook.TapehookError, match="fused is None"):
+        BatchNormalization(fused="yes")
+
+
+def test_not_trainable_is_inference():
+    """Keras 3: a frozen batch norm normalizes with its moving statistics and
+    does not update them, also under training=True."""
+    shape = SHAPES[4]
+    ref, ours = _pair(shape)
+    ref.trainable = ours.trainable = False
+    x = _inputs(shape)
+    before = ours.moving_mean.numpy()
+    np.testing.assert_array_equal(ours(x, training=True).numpy(), ref(x, training=True).numpy())
+    np.testing.assert_array_equal(ours.moving_mean.numpy(), before)
+
+
+def test_mixed_precision():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        ref, ours = _pair(SHAPES[4])
+        x = tf.cast(_inputs(SHAPES[4]), tf.float16)
+        got, expected = _train_call(ours, x, "function"), _train_call(ref, x, "function")
+        assert got[0].dtype == expected[0].dtype == tf.float16
+        for g, e in zip(got, expected):
+            np.testing.assert_allclose(
+                g.numpy().astype(np.float32), e.numpy().astype(np.float32), rtol=2e-3, atol=2e-3
+            )
+        np.testing.assert_allclose(ours.moving_variance.numpy(), ref.moving_variance.numpy())
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def _small_model(norm):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(6, 3, padding="same", use_bias=False)(inputs)
+    x = norm(momentum=0.7)(x)
+    x = keras.layers.ReLU()(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    x = keras.layers.Dense(4)(x)
+    x = norm(momentum=0.7, center=False)(x)
+    return keras.Model(inputs, keras.layers.Softmax()(x))
+
+
+def _data():
+    rng = np.random.default_rng(5)
+    return rng.standard_normal((24, 8, 8, 3)).astype(np.float32), rng.integers(0, 4, 24)
+
+
+def test_fit_matches_keras_and_saves(tmp_path):
+    """Three SGD steps of fit: the same weights and moving statistics as the
+    model with Keras's layers; .keras round trip keeps the layer and fused."""
+    x, y = _data()
+    nets = {}
+    for name, norm in (("keras", keras.layers.BatchNormalization), ("ours", BatchNormalization)):
+        net = _small_model(norm)
+        net.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
+        net.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        nets[name] = net
+    for a, b in zip(nets["ours"].get_weights(), nets["keras"].get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    path = tmp_path / "net.keras"
+    nets["ours"].save(path)
+    loaded = keras.models.load_model(path)
+    norms = [l for l in loaded.layers if isinstance(l, keras.layers.BatchNormalization)]
+    assert len(norms) == 2 and all(type(l) is BatchNormalization for l in norms)
+    assert all(l.fused is None for l in norms)
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), nets["ours"].predict(x, verbose=0))
+
+
+_MIRRORED = """
+import json, sys
+import tensorflow as tf
+tf.config.set_logical_device_configuration(
+    tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
+)
+import keras, numpy as np
+sys.path.insert(0, sys.argv[1])
+import test_layers as t
+from tapehook.layers import BatchNormalization
+x, y = t._data()
+out = {}
+strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+for name, norm in (("keras", keras.layers.BatchNormalization), ("ours", BatchNormalization)):
+    with strategy.scope():
+        net = t._small_model(norm)
+        net.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
+    net.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    out[name] = [w.tolist() for w in net.get_weights()]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_mirrored_strategy_matches_keras():
+    """fit under MirroredStrategy (2 logical CPUs, per-replica batch
+    statistics as Keras's synchronized=False): the same weights and moving
+    statistics as Keras's layer under the same strategy. A fresh process:
+    logical devices must be set before TF runs."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    run = subprocess.run(
+        [sys.executable, "-c", _MIRRORED, here],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    import json
+
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(out["ours"]) == len(out["keras"]) == 10
+    for a, b in zip(out["ours"], out["keras"]):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
