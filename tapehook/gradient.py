@@ -147,6 +147,25 @@ def conv2d_grad(op, grad):
     return binary_backward(op.inputs[0], op.inputs[1], grad, spec, conv_attrs(op.get_attr), skip)
 
 
+def binary_conv2d_affine_op_grad(op, grad):
+    """Gradient of a TapehookBinaryConv2DAffine op (an inference batch norm
+    folded into a binary conv, built where no tape recorded: what
+    tf.gradients on such a graph asks for). The conv's output is recomputed
+    for the ReLU mask and the multiplier's gradient."""
+    x, w, multiplier, _ = op.inputs
+    spec, attrs = BinarySpec.from_op_attrs(op.get_attr), conv_attrs(op.get_attr)
+    conv = kernels.library().tapehook_binary_conv2d(
+        x, w, **attrs, **spec.op_attrs(), cache_filter=True, plan=op.get_attr("plan")
+    )
+    pre = tf.nn.relu(conv) if op.get_attr("relu") else conv
+    d_pre = grad * multiplier
+    if op.get_attr("relu"):
+        d_pre = tf.where(conv > 0, d_pre, tf.zeros_like(d_pre))
+    dx, dw = binary_backward(x, w, d_pre, spec, attrs)
+    axes = [0, 1, 2]
+    return dx, dw, tf.reduce_sum(grad * pre, axes), tf.reduce_sum(grad, axes)
+
+
 def binary_conv2d_op_grad(op, grad):
     """Gradient of a TapehookBinaryConv2D graph op: the spec is in its attrs,
     the input's bits (binary activations) on the op when it was built here."""

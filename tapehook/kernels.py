@@ -32,6 +32,9 @@ from tapehook.errors import TapehookError
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 LIBRARY_NAME = "libtapehook_ops.so"
 BINARY_OP = "TapehookBinaryConv2D"  # the compiled forward's op type
+# The fully binary forward with a per-channel affine output transform (an
+# inference batch norm folded in: conv2d.fold_output_affine).
+AFFINE_OP = "TapehookBinaryConv2DAffine"
 _COUNT_KINDS = ("forward", "backprop_input", "backprop_filter")
 
 _lock = threading.Lock()

@@ -14,6 +14,7 @@ float cost of a training step around the binary kernels
 import keras
 import tensorflow as tf
 
+from tapehook import conv2d
 from tapehook.errors import TapehookError
 
 _PACKAGE = "tapehook"
@@ -42,8 +43,15 @@ class BatchNormalization(keras.layers.BatchNormalization):
     - ``True``: the fused op, or a TapehookError naming what prevents it;
     - ``False``: exactly Keras's layer.
 
-    Inference calls are always Keras's ops (``x * a + b``): the fused op does
-    not beat them there at small batches, and exported graphs stay Keras's.
+    Inference calls compute Keras's ``x * a + b`` (a, b from the moving
+    statistics, gamma and beta, as Keras computes them) with Keras's ops —
+    the fused op does not beat them at small batches — or, in a graph
+    (``tf.function``, Keras ``predict``) built with no tape recording, where
+    the input is (the ReLU of) a compiled fully binary conv's output, by that
+    conv as it writes its outputs (one fused multiply-add per output, no
+    pass over the tensor; TapehookBinaryConv2DAffine, float32, CPU).
+    ``tf.gradients`` of such a graph is defined. Deploy exports are
+    unaffected (their binary convs are stock ops).
 
     Results equal Keras's to float rounding: outputs and gradients (through
     the batch statistics), and the moving statistics updated as Keras does,
@@ -97,10 +105,15 @@ class BatchNormalization(keras.layers.BatchNormalization):
         return None
 
     def call(self, inputs, training=None, mask=None):
-        if self.fused is False or not (training and self.trainable):
-            # Inference is Keras's two elementwise ops (x * a + b), which the
-            # fused op does not beat at small batches (bench/results/
-            # batch_norm.json); it also keeps exported graphs Keras's.
+        if self.fused is False:
+            return super().call(inputs, training=training, mask=mask)
+        if not (training and self.trainable):
+            # Inference: Keras's x * a + b (the fused op does not beat its two
+            # elementwise ops at small batches: bench/results/batch_norm.json),
+            # or that transform applied by the binary conv whose output this is.
+            folded = self._folded_inference(inputs, mask)
+            if folded is not None:
+                return folded
             return super().call(inputs, training=training, mask=mask)
         inputs = tf.convert_to_tensor(inputs)
         reason = self._input_reason(inputs, mask)
@@ -112,6 +125,24 @@ class BatchNormalization(keras.layers.BatchNormalization):
                 )
             return super().call(inputs, training=training, mask=mask)
         return self._fused_training_call(inputs)
+
+    def _folded_inference(self, inputs, mask):
+        """The inference output computed by the binary conv that produced
+        ``inputs`` (conv2d.fold_output_affine), or None where it cannot be."""
+        if not isinstance(inputs, tf.Tensor) or tf.executing_eagerly():
+            return None
+        if self._input_reason(inputs, mask) or inputs.shape.rank != 4:
+            return None
+        if tf.as_dtype(self.compute_dtype) != tf.float32:
+            return None
+        # Keras's inference transform (tf.nn.batch_normalization's a and b).
+        inv = tf.math.rsqrt(tf.cast(self.moving_variance, tf.float32) + self.epsilon)
+        if self.scale:
+            inv = inv * tf.cast(self.gamma, tf.float32)
+        shift = -tf.cast(self.moving_mean, tf.float32) * inv
+        if self.center:
+            shift = tf.cast(self.beta, tf.float32) + shift
+        return conv2d.fold_output_affine(inputs, inv, shift)
 
     def _fused_training_call(self, inputs):
         """Batch statistics, output and the moving-statistics update of one

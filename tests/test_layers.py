@@ -287,3 +287,110 @@ def test_mirrored_strategy_matches_keras():
     assert len(out["ours"]) == len(out["keras"]) == 10
     for a, b in zip(out["ours"], out["keras"]):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# Inference folded into a binary conv (conv2d.fold_output_affine).
+
+
+def _conv_bn(activation=None, norm=BatchNormalization, use_bias=False, spec=None, **bn):
+    keras.utils.set_random_seed(7)
+    inputs = keras.Input((9, 9, 70))
+    conv = keras.layers.Conv2D(
+        40, 3, padding="same", use_bias=use_bias, activation=activation, name="binary"
+    )
+    y = norm(**bn)(conv(inputs))
+    net = keras.Model(inputs, keras.layers.Add()([y, y]))
+    tapehook.binarize(net, include="binary", **(spec or dict(activations=True, scale="mean_abs")))
+    rng = np.random.default_rng(11)
+    layer = net.layers[2]
+    for v in layer.weights:  # moving statistics and gamma / beta off their initial values
+        v.assign(
+            rng.uniform(0.5, 1.5, v.shape).astype(np.float32) * (-1 if "beta" in v.path else 1)
+        )
+    return net
+
+
+def _infer_graph(net, x):
+    fn = tf.function(lambda t: net(t, training=False))
+    types = [op.type for op in fn.get_concrete_function(x).graph.get_operations()]
+    return fn(x), types
+
+
+@pytest.mark.parametrize("activation", [None, "relu"])
+@pytest.mark.parametrize("spec", ["mean_abs", "plain", "one_padding"])
+def test_inference_folds_into_binary_conv(activation, spec):
+    specs = {
+        "mean_abs": dict(activations=True, scale="mean_abs"),
+        "plain": dict(activations="approx_sign"),
+        "one_padding": dict(activations=True, pad_value=1.0, clip=1.25),
+    }
+    ours = _conv_bn(activation, spec=specs[spec])
+    ref = _conv_bn(activation, norm=keras.layers.BatchNormalization, spec=specs[spec])
+    ref.set_weights(ours.get_weights())
+    x = _inputs((3, 9, 9, 70))
+    tapehook.reset_dispatch_counts()
+    got, types = _infer_graph(ours, x)
+    assert types.count("TapehookBinaryConv2DAffine") == 1
+    assert tapehook.dispatch_counts()["compiled"]["forward"] == 1  # the unfused one pruned
+    expected, ref_types = _infer_graph(ref, x)
+    assert "TapehookBinaryConv2DAffine" not in ref_types
+    np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-4)
+    # Eager calls and Keras predict give the same.
+    np.testing.assert_allclose(ours(x, training=False).numpy(), expected.numpy(), atol=1e-4)
+    np.testing.assert_allclose(ours.predict(x, verbose=0), expected.numpy(), atol=1e-4)
+
+
+def test_inference_not_folded_where_it_cannot_be():
+    x = _inputs((2, 9, 9, 70))
+
+    def folds(net):
+        return "TapehookBinaryConv2DAffine" in _infer_graph(net, x)[1]
+
+    assert not folds(_conv_bn(use_bias=True))  # a BiasAdd in between
+    assert not folds(_conv_bn(spec=dict(activations=False)))  # weight-only conv
+    assert not folds(_conv_bn(fused=False))
+    assert not folds(_conv_bn(activation="tanh"))
+    # Under a tape (cache_filter off: a gradient may be asked for) it is not.
+    net = _conv_bn()
+
+    @tf.function
+    def taped(t):
+        with tf.GradientTape() as tape:
+            tape.watch(t)
+            y = net(t, training=False)
+        return tape.gradient(y, t)
+
+    assert "TapehookBinaryConv2DAffine" not in [
+        op.type for op in taped.get_concrete_function(x).graph.get_operations()
+    ]
+
+
+def _inference_gradients(net, x):
+    """tf.gradients (no tape) of an inference output: x, the conv kernel,
+    gamma and beta; and the graph's op types."""
+    variables = [net.layers[1].kernel, *net.layers[2].trainable_variables]
+
+    @tf.function
+    def g(t):
+        y = net(t, training=False)
+        return tf.gradients(tf.reduce_sum(y * tf.cos(y)), [t, *variables])
+
+    types = [op.type for op in g.get_concrete_function(x).graph.get_operations()]
+    return g(x), types
+
+
+@pytest.mark.parametrize("activation", [None, "relu"])
+def test_folded_inference_gradients(activation):
+    """tf.gradients of a folded inference graph (no tape: the fold happens)
+    equal those of Keras's batch norm after the same binary conv."""
+    x = _inputs((2, 9, 9, 70))
+    ours = _conv_bn(activation)
+    ref = _conv_bn(activation, norm=keras.layers.BatchNormalization)
+    ref.set_weights(ours.get_weights())
+    got, types = _inference_gradients(ours, x)
+    expected, ref_types = _inference_gradients(ref, x)
+    assert "TapehookBinaryConv2DAffine" in types and "TapehookBinaryConv2DAffine" not in ref_types
+    assert len(got) == 4
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-3)

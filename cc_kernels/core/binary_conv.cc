@@ -114,9 +114,10 @@ bool BitFilterFits(const BitFilter<T>& f, const ConvShape& s, Scale scale,
 template <typename T>
 void BinaryConv2DForwardBinary(const ConvShape& s, const T* x,
                                const BitFilter<T>& f, T* y,
-                               const ParallelFor& parallel_for) {
+                               const ParallelFor& parallel_for,
+                               const OutputAffine<T>* affine) {
   if (OutPixels(s) == 0) return;
-  BitpackedForwardWith(s, x, f, y, parallel_for);
+  BitpackedForwardWith(s, x, f, y, parallel_for, affine);
 }
 
 template <typename T>
@@ -339,9 +340,9 @@ void ScaleFilterGradient(const ConvShape& s, const T* w, Estimator w_est,
                                          const ParallelFor&, Impl);            \
   template bool BitFilterFits<T>(const BitFilter<T>&, const ConvShape&, Scale, \
                                  Impl);                                        \
-  template void BinaryConv2DForwardBinary<T>(const ConvShape&, const T*,       \
-                                             const BitFilter<T>&, T*,          \
-                                             const ParallelFor&);              \
+  template void BinaryConv2DForwardBinary<T>(                                  \
+      const ConvShape&, const T*, const BitFilter<T>&, T*, const ParallelFor&, \
+      const OutputAffine<T>*);                                                 \
   template std::vector<float> FilterAlphaFloats<T>(const ConvShape&, const T*, \
                                                    Scale);                     \
   template void BinaryConv2DForward<T>(const ConvShape&, const T*, const T*,   \

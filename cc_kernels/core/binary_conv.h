@@ -71,13 +71,26 @@ template <typename T>
 bool BitFilterFits(const BitFilter<T>& f, const ConvShape& s, Scale scale,
                    Impl impl = Impl::kBest);
 
+// A per-output-channel affine transform applied as the fully binary forward
+// writes its outputs (an inference batch norm folded in):
+//   y = fma(alpha[o] * multiplier[o], relu ? max(dot, 0) : dot, offset[o])
+// with dot the integer count, so y = multiplier * (relu of the conv's output)
+// + offset up to float rounding (alpha >= 0). [out_c] each.
+template <typename T>
+struct OutputAffine {
+  const T* multiplier = nullptr;
+  const T* offset = nullptr;
+  bool relu = false;
+};
+
 // BinaryConv2DForward(s, x, w, /*binary_input=*/true, scale, y) given
 // f = PackBitFilter(s, w, scale) with BitFilterFits(f, s, scale): the same
-// output, bit for bit.
+// output, bit for bit; with `affine`, that output transformed by it.
 template <typename T>
 void BinaryConv2DForwardBinary(const ConvShape& s, const T* x,
                                const BitFilter<T>& f, T* y,
-                               const ParallelFor& parallel_for);
+                               const ParallelFor& parallel_for,
+                               const OutputAffine<T>* affine = nullptr);
 
 // dx[batch, in_h, in_w, in_c]. x is read only when act_est != kNone.
 template <typename T>

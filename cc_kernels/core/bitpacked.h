@@ -5,6 +5,7 @@
 #define TAPEHOOK_CORE_BITPACKED_H_
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <type_traits>
@@ -161,7 +162,8 @@ template <typename T>
 void BitpackedBlocks512(const ConvShape& s, BitInput input, const T* x,
                         const uint64_t* xb, const uint64_t* wb, int64_t n_pad,
                         const int32_t* tap_count, const T* alpha, T* y,
-                        const ParallelFor& parallel_for) {
+                        const ParallelFor& parallel_for, const T* offset,
+                        bool relu) {
   const int64_t C = s.in_c, N = s.out_c;
   const int64_t cw = WordsPerPixel(s);
   const int64_t taps = s.k_h * s.k_w;
@@ -302,6 +304,8 @@ void BitpackedBlocks512(const ConvShape& s, BitInput input, const T* x,
     block.n = N;
     block.prefetch = reinterpret_cast<const char*>(next);
     block.prefetch_lines = lines;
+    block.offset = offset;
+    block.relu = relu;
     simd::BitConv(block, np);
   };
   auto new_scratch = [&] {
@@ -468,10 +472,12 @@ BitFilter<T> PackBitFilterImpl(const ConvShape& s, const T* w, Scale scale,
   return f;
 }
 
-// The bitpacked forward given its packed filter (packed on f.isa's tier).
+// The bitpacked forward given its packed filter (packed on f.isa's tier),
+// its outputs transformed by `affine` where given.
 template <typename T>
 void BitpackedForwardWith(const ConvShape& s, const T* x, const BitFilter<T>& f,
-                          T* y, const ParallelFor& parallel_for) {
+                          T* y, const ParallelFor& parallel_for,
+                          const OutputAffine<T>* affine = nullptr) {
   const int64_t C = s.in_c, N = s.out_c;
   const int64_t cw = WordsPerPixel(s);
   const int64_t taps = s.k_h * s.k_w;
@@ -481,7 +487,16 @@ void BitpackedForwardWith(const ConvShape& s, const T* x, const BitFilter<T>& f,
   const BitIsa isa = static_cast<BitIsa>(f.isa);
   const uint64_t* const wb = f.words.data();
   const int32_t* const tap_count = f.tap_count.data();
-  const T* const alpha_t = f.alpha.data();
+  // The transform's multiplier folds into alpha (one multiply per output).
+  std::vector<T> folded;
+  if (affine != nullptr) {
+    folded.resize(N);
+    for (int64_t o = 0; o < N; ++o)
+      folded[o] = f.alpha[o] * affine->multiplier[o];
+  }
+  const T* const alpha_t = affine != nullptr ? folded.data() : f.alpha.data();
+  const T* const offset = affine != nullptr ? affine->offset : nullptr;
+  const bool relu = affine != nullptr && affine->relu;
   const int64_t pixel_cost = C / PackCostDiv<T>(isa) + 1;
 
 #if TAPEHOOK_HAVE_AVX512_PATH
@@ -513,7 +528,7 @@ void BitpackedForwardWith(const ConvShape& s, const T* x, const BitFilter<T>& f,
 #if TAPEHOOK_HAVE_AVX512_PATH
   if (isa == BitIsa::kAvx512) {
     return BitpackedBlocks512(s, input, x, xb.get(), wb, n_pad, tap_count,
-                              alpha_t, y, parallel_for);
+                              alpha_t, y, parallel_for, offset, relu);
   }
 #endif
 
@@ -586,8 +601,14 @@ void BitpackedForwardWith(const ConvShape& s, const T* x, const BitFilter<T>& f,
             // Exact in int32 and in T (|dot| < 2^24 for any real layer).
             const int32_t all_match = static_cast<int32_t>(valid * C);
             T* out = y + (pix0 + p) * N;
-            for (int64_t o = 0; o < N; ++o) {
+            for (int64_t o = 0; o < N && offset == nullptr; ++o) {
               out[o] = alpha_t[o] * static_cast<T>(all_match - 2 * cnt[o]);
+            }
+            for (int64_t o = 0; o < N && offset != nullptr; ++o) {
+              const int32_t dot = all_match - 2 * cnt[o];
+              out[o] = std::fma(alpha_t[o],
+                                static_cast<T>(relu ? std::max(dot, 0) : dot),
+                                offset[o]);
             }
           }
         }

@@ -158,6 +158,11 @@ TAPEHOOK_AVX512 void PackWeightTap512(const float* w, int64_t cin, int64_t n,
 //
 //   y[r * ldy + o] = alpha[o] * (bias[r][o] - 2 * popcount(row r ^ column o))
 //
+// or, with an output transform (a batch norm folded in for inference), with
+// dot = bias - 2 popcount and relu's max(dot, 0) first where `relu`:
+//
+//   y[r * ldy + o] = fma(alpha[o], dot, offset[o])
+//
 // bias[r][o] being the all-match count of the valid taps plus twice what the
 // zero words of padding taps added to the popcount. Spread over the tiles,
 // the block also prefetches `prefetch_lines` cache lines from `prefetch` into
@@ -176,7 +181,25 @@ struct BitConvBlock {
   int64_t n;
   const char* prefetch;
   int64_t prefetch_lines;
+  const T* offset = nullptr;  // the output transform's, or none
+  bool relu = false;
 };
+
+// alpha * dot, or the output transform's fma(alpha, relu?(dot), offset),
+// for the lanes in k.
+TAPEHOOK_AVX512 inline __m512 Finish(const BitConvBlock<float>& a, __m512 alpha,
+                                     __m512 dot, int64_t o, __mmask16 k) {
+  if (a.offset == nullptr) return _mm512_mul_ps(alpha, dot);
+  if (a.relu) dot = _mm512_max_ps(dot, _mm512_setzero_ps());
+  return _mm512_fmadd_ps(alpha, dot, _mm512_maskz_loadu_ps(k, a.offset + o));
+}
+TAPEHOOK_AVX512 inline __m512d Finish(const BitConvBlock<double>& a,
+                                      __m512d alpha, __m512d dot, int64_t o,
+                                      __mmask8 k) {
+  if (a.offset == nullptr) return _mm512_mul_pd(alpha, dot);
+  if (a.relu) dot = _mm512_max_pd(dot, _mm512_setzero_pd());
+  return _mm512_fmadd_pd(alpha, dot, _mm512_maskz_loadu_pd(k, a.offset + o));
+}
 
 // Register tile: kConvMR pixels by NQ (<= kConvNQ) zmm of 8 output channels.
 // 6 x 4 accumulators, 4 columns of W and a broadcast fit the 32 zmm
@@ -240,10 +263,9 @@ TAPEHOOK_AVX512 inline void BitConvTile(const BitConvBlock<T>& a, int64_t r0,
                                                       acc[i][pair ? q + 1 : q]);
         const __m512i dot = _mm512_sub_epi32(
             _mm512_maskz_loadu_epi32(k, bias + o), _mm512_add_epi32(cnt, cnt));
-        _mm512_mask_storeu_ps(
-            out + o, k,
-            _mm512_mul_ps(_mm512_maskz_loadu_ps(k, a.alpha + o),
-                          _mm512_maskz_cvtepi32_ps(k, dot)));
+        _mm512_mask_storeu_ps(out + o, k,
+                              Finish(a, _mm512_maskz_loadu_ps(k, a.alpha + o),
+                                     _mm512_maskz_cvtepi32_ps(k, dot), o, k));
       }
     } else {
 #pragma GCC unroll 4
@@ -254,10 +276,9 @@ TAPEHOOK_AVX512 inline void BitConvTile(const BitConvBlock<T>& a, int64_t r0,
         const __m256i cnt = _mm512_maskz_cvtepi64_epi32(0xff, acc[i][q]);
         const __m256i dot = _mm256_sub_epi32(
             _mm256_maskz_loadu_epi32(k, bias + o), _mm256_add_epi32(cnt, cnt));
-        _mm512_mask_storeu_pd(
-            out + o, k,
-            _mm512_mul_pd(_mm512_maskz_loadu_pd(k, a.alpha + o),
-                          _mm512_maskz_cvtepi32_pd(k, dot)));
+        _mm512_mask_storeu_pd(out + o, k,
+                              Finish(a, _mm512_maskz_loadu_pd(k, a.alpha + o),
+                                     _mm512_maskz_cvtepi32_pd(k, dot), o, k));
       }
     }
   }
@@ -329,7 +350,8 @@ TAPEHOOK_AVX512 void BitConvShortK(const BitConvBlock<float>& a, int64_t rows) {
                              _mm512_add_epi32(cnt, cnt));
         _mm512_mask_storeu_ps(
             out + 16 * h, keep[h],
-            _mm512_mul_ps(alpha[h], _mm512_maskz_cvtepi32_ps(keep[h], dot)));
+            Finish(a, alpha[h], _mm512_maskz_cvtepi32_ps(keep[h], dot),
+                   j + 16 * h, keep[h]));
       }
     }
   }

@@ -4,6 +4,7 @@
 #include <atomic>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -85,6 +86,27 @@ REGISTER_OP("TapehookBinaryConv2D")
         "float input, where AMX runs it) while the filter tensor's buffer is "
         "the same (only for filters read from resource variables, whose "
         "writes never touch a buffer that is still referenced).");
+
+REGISTER_OP("TapehookBinaryConv2DAffine")
+    .Input("input: T")
+    .Input("filter: T")
+    .Input("multiplier: T")
+    .Input("offset: T")
+    .Output("output: T")
+    .TAPEHOOK_CONV_ATTRS.Attr("cache_filter: bool = true")
+    .Attr("activation_clip: float = -1.0")
+    .Attr("activation_clip_f64_bits: int = 0")
+    .Attr("beta: float = 5.0")
+    .Attr("pad_value: float = 0.0")
+    .Attr("relu: bool = false")
+    .SetShapeFn(::tensorflow::shape_inference::Conv2DShapeWithExplicitPadding)
+    .Doc(
+        "multiplier * relu?(TapehookBinaryConv2D(input, filter)) + offset, per "
+        "output channel ([out_c] each), the transform applied as the fully "
+        "binary forward writes its outputs: an inference batch norm folded "
+        "into the conv (tapehook/layers.py). Binary input "
+        "(activation_estimator "
+        "!= 'none') and cache_filter only; float only.");
 
 REGISTER_OP("TapehookBinaryConv2DBackpropInput")
     .Input("input: T")
@@ -180,6 +202,15 @@ class BinaryConv2DOp : public OpKernel {
   explicit BinaryConv2DOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ParseAttrs(ctx, &attrs_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("cache_filter", &cache_filter_));
+    affine_ = def().op() == "TapehookBinaryConv2DAffine";
+    if (affine_) {
+      OP_REQUIRES_OK(ctx, ctx->GetAttr("relu", &relu_));
+      OP_REQUIRES(ctx, attrs_.act_est != Estimator::kNone && cache_filter_,
+                  absl::InvalidArgumentError(
+                      "TapehookBinaryConv2DAffine runs the fully binary "
+                      "forward: it needs activation_estimator != 'none' and "
+                      "cache_filter = true"));
+    }
   }
   void Compute(OpKernelContext* ctx) override {
     ConvShape s;
@@ -189,6 +220,25 @@ class BinaryConv2DOp : public OpKernel {
     Widened<T> xw(ctx->input(0));
     WidenedOut<T> out(y);
     const ParallelFor pool = ThreadPoolOf(ctx);
+    OutputAffine<C> affine;
+    std::optional<Widened<T>> multiplier, offset;
+    if (affine_) {
+      for (int i : {2, 3}) {
+        OP_REQUIRES(
+            ctx,
+            ctx->input(i).dims() == 1 && ctx->input(i).dim_size(0) == s.out_c,
+            absl::InvalidArgumentError(
+                "TapehookBinaryConv2DAffine: multiplier and offset must be "
+                "[out_c] = [" +
+                std::to_string(s.out_c) + "]; got " +
+                ctx->input(i).shape().DebugString()));
+      }
+      multiplier.emplace(ctx->input(2));
+      offset.emplace(ctx->input(3));
+      affine.multiplier = multiplier->data();
+      affine.offset = offset->data();
+      affine.relu = relu_;
+    }
     Impl impl;
     OP_REQUIRES_OK(ctx, PlanFor(attrs_, ConvOp::kForward, s, false,
                                 std::is_same_v<C, double>, &impl));
@@ -202,7 +252,8 @@ class BinaryConv2DOp : public OpKernel {
             return std::make_shared<const BitFilter<C>>(
                 PackBitFilter(s, w, attrs_.scale, pool, impl));
           });
-      BinaryConv2DForwardBinary(s, xw.data(), *f, out.data(), pool);
+      BinaryConv2DForwardBinary(s, xw.data(), *f, out.data(), pool,
+                                affine_ ? &affine : nullptr);
     } else if (!KeptAmxForward(s, impl, ctx->input(1), xw.data(), out.data(),
                                pool)) {
       Widened<T> ww(ctx->input(1));
@@ -274,6 +325,8 @@ class BinaryConv2DOp : public OpKernel {
 
   ConvAttrs attrs_;
   bool cache_filter_ = false;
+  bool affine_ = false;  // TapehookBinaryConv2DAffine
+  bool relu_ = false;
   std::mutex mu_;
   Tensor kept_;  // the filter tensor the kept filter was packed from
   std::shared_ptr<const BitFilter<C>> bit_filter_;
@@ -551,6 +604,11 @@ using BackpropFilterOp = BinaryConv2DBackpropOp<T, true>;
                               .Device(DEVICE_CPU)                             \
                               .TypeConstraint<T>("T"),                        \
                           PackedBackpropFilterOp<T>);
+
+REGISTER_KERNEL_BUILDER(Name("TapehookBinaryConv2DAffine")
+                            .Device(DEVICE_CPU)
+                            .TypeConstraint<float>("T"),
+                        BinaryConv2DOp<float>);
 
 REGISTER_CPU(Eigen::half);
 REGISTER_CPU(Eigen::bfloat16);

@@ -805,10 +805,21 @@ void TestBitpackedTiers() {
     const Ref y_ref = RefForward(pr);
     const bool is_float = layout != nullptr || i % 4 != 3;
     bool ok = true;
+    // An output transform (OutputAffine, an inference batch norm folded in)
+    // on the packed-filter entry point: multiplier * relu?(y) + offset.
+    std::vector<double> multiplier(s.out_c), offset(s.out_c);
+    for (int64_t o = 0; o < s.out_c; ++o) {
+      multiplier[o] = (u(rng) < 0.2 ? -1 : 1) * (0.1 + 2 * u(rng));
+      offset[o] = 4 * u(rng) - 2;
+    }
+    const bool relu = i % 3 == 1;
     auto run = [&](auto zero) {
       using T = decltype(zero);
       const std::vector<T> x = Cast<T>(pr.x), w = Cast<T>(pr.w);
-      std::vector<T> y0;
+      const std::vector<T> m = Cast<T>(multiplier), b = Cast<T>(offset);
+      const tapehook::OutputAffine<T> affine{m.data(), b.data(), relu};
+      const double tol = std::is_same_v<T, float> ? 1e-5 : 1e-13;
+      std::vector<T> y0, a0;
       for (const Tier& tier : tiers) {
         set_tier(tier);
         for (const NamedFor& f : AllFors()) {
@@ -826,6 +837,32 @@ void TestBitpackedTiers() {
                 "  bitpacked forward%s differs bitwise from the "
                 "first tier\n",
                 tag.c_str());
+            ok = false;
+          }
+          const tapehook::BitFilter<T> filter =
+              tapehook::PackBitFilter<T>(s, w.data(), pr.scale, f.pf);
+          std::vector<T> a = NaNs<T>(y.size());
+          tapehook::BinaryConv2DForwardBinary<T>(s, x.data(), filter, a.data(),
+                                                 f.pf, &affine);
+          for (size_t k = 0; k < a.size(); ++k) {
+            const int64_t o = static_cast<int64_t>(k) % s.out_c;
+            const double pre =
+                relu ? std::max(0.0, static_cast<double>(y[k])) : y[k];
+            const double want = multiplier[o] * pre + offset[o];
+            const double bound = tol * (std::fabs(multiplier[o] * pre) +
+                                        std::fabs(offset[o]) + 1);
+            if (!(std::fabs(a[k] - want) <= bound)) {
+              std::printf("  affine forward%s at %zu: %.9g, want %.9g\n",
+                          tag.c_str(), k, static_cast<double>(a[k]), want);
+              ok = false;
+              break;
+            }
+          }
+          if (a0.empty()) {
+            a0 = a;
+          } else if (!BitwiseEqual(a.data(), a0.data(), a.size() * sizeof(T))) {
+            std::printf("  affine forward%s differs bitwise from the first\n",
+                        tag.c_str());
             ok = false;
           }
         }
