@@ -59,10 +59,13 @@ RECIPES = {
         estimators=("ste_sign", "approx_sign"), clip=1.25, scale=None, pad_value=1.0
     ),
 }
-IMPLS = ("float", "larq-style", "tapehook", "tapehook-fbn", "larq")
-# tapehook's implementations: "tapehook-fbn" is "tapehook" with the model's
-# batch norms tapehook.layers.BatchNormalization (fused) instead of Keras's.
-TAPEHOOK_IMPLS = ("tapehook", "tapehook-fbn")
+IMPLS = ("float", "float-fused", "larq-style", "tapehook", "tapehook-fused", "larq")
+# "-fused": the model's batch norms tapehook.layers.BatchNormalization and its
+# optimizer tapehook.optimizers.Adam (TF's fused ops, as tf-keras and so larq
+# 0.14 train with) instead of Keras 3's.
+FUSED_IMPLS = ("float-fused", "tapehook-fused")
+TAPEHOOK_IMPLS = ("tapehook", "tapehook-fused")
+FLOAT_IMPLS = ("float", "float-fused")
 
 
 # ---------------------------------------------------------------------------
@@ -260,7 +263,7 @@ def binary_conv_factory(K, impl, model, estimator):
             name=name,
         )
 
-    if impl == "float":
+    if impl in FLOAT_IMPLS:
         return lambda *a: K.layers.Conv2D(**common(*a))
     if impl in TAPEHOOK_IMPLS:  # binarized after the model is built
         return lambda *a: K.layers.Conv2D(**common(*a), kernel_constraint=clip_constraint(K, clip))
@@ -329,7 +332,7 @@ def tapehook_spec(model, estimator):
 
 def build(K, model, impl, estimator, size, **kwargs):
     """The model of one configuration (tapehook's binarized)."""
-    if impl == "tapehook-fbn":
+    if impl in FUSED_IMPLS:
         import tapehook
 
         kwargs.setdefault("batch_norm", tapehook.layers.BatchNormalization)
@@ -456,14 +459,15 @@ def child(cfg):
         K = tf.keras
     else:
         import keras as K
-    if impl in TAPEHOOK_IMPLS:
+    if impl in TAPEHOOK_IMPLS + FUSED_IMPLS:
         import tapehook
 
     model, size, batch = cfg["model"], cfg["size"], cfg["batch"]
     K.utils.set_random_seed(0)
     net = build(K, model, impl, cfg["estimator"], size)
     compile_kwargs = {} if impl == "larq" else {"jit_compile": False}
-    net.compile(K.optimizers.Adam(1e-3), "sparse_categorical_crossentropy", **compile_kwargs)
+    adam = tapehook.optimizers.Adam if impl in FUSED_IMPLS else K.optimizers.Adam
+    net.compile(adam(1e-3), "sparse_categorical_crossentropy", **compile_kwargs)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((batch, size, size, 3), dtype=np.float32)
     y = rng.integers(0, CLASSES, (batch,))
@@ -623,7 +627,7 @@ def summarize(runs, groups):
                 vals = [r[f"{what}_img_s"] for r in rs]
                 row[f"{what}_img_s_best"] = max(vals)
                 row[f"{what}_img_s_median"] = statistics.median(vals)
-                for other in ("larq-style", "larq", "float"):
+                for other in ("larq-style", "larq", *FLOAT_IMPLS):
                     if other == impl:
                         continue
                     ratios = []
@@ -631,7 +635,8 @@ def summarize(runs, groups):
                         o = [
                             q
                             for q in by.get(
-                                (model, size, batch, other, None if other == "float" else est), []
+                                (model, size, batch, other, None if other in FLOAT_IMPLS else est),
+                                [],
                             )
                             if q["round"] == r["round"]
                         ]
@@ -697,7 +702,7 @@ def attach_tensor_memory(rows, tensor_runs):
         if row["batch"] > 1 and key in per_sample:
             row["tensor_peak_bytes_per_sample"] = per_sample[key]
             ref = per_sample.get((row["model"], row["size"], "larq-style", row["estimator"]))
-            if row["impl"] == "float":  # against larq-style with the model's own estimator
+            if row["impl"] in FLOAT_IMPLS:  # against larq-style with the model's own estimator
                 ref = per_sample.get(
                     (
                         row["model"],
@@ -714,7 +719,7 @@ def attach_tensor_memory(rows, tensor_runs):
 def print_table(rows, file=sys.stdout):
     head = (
         f"{'model':15s} {'px':>3s} {'b':>2s} {'impl':12s} {'input est':11s} "
-        f"{'train img/s best/med':>21s} {'x l-style':>9s} {'x float':>7s} "
+        f"{'train img/s best/med':>21s} {'x l-style':>9s} {'x float':>7s} {'x f-fused':>9s} "
         f"{'predict img/s best/med':>23s} {'x l-style':>9s} {'MiB/sample':>10s} {'mem x':>5s} "
         f"{'tensor MiB':>10s} {'x':>5s}"
     )
@@ -727,6 +732,7 @@ def print_table(rows, file=sys.stdout):
             f"{r['train_img_s_best']:9.1f}/{r['train_img_s_median']:9.1f}   "
             f"{r.get('train_x_larq-style_median', float('nan')):7.2f}x "
             f"{r.get('train_x_float_median', float('nan')):6.2f}x "
+            f"{r.get('train_x_float-fused_median', float('nan')):8.2f}x "
             f"{r['predict_img_s_best']:10.1f}/{r['predict_img_s_median']:10.1f}  "
             f"{r.get('predict_x_larq-style_median', float('nan')):7.2f}x "
             f"{mem / 2**20 if mem else float('nan'):10.2f} "
@@ -765,10 +771,11 @@ def markdown(result):
     lines = [
         "| model | px | batch | impl | input estimator | train img/s best / median | "
         "train x larq-style (min / med) | train x larq (med) | train x float (med) | "
+        "train x float-fused (med) | "
         "predict img/s best / median | predict x larq-style (min / med) | "
         "peak MiB/sample | memory x lower than larq-style | "
         "tensor peak MiB/sample | tensor peak x lower than larq-style |",
-        "|" + "---|" * 15,
+        "|" + "---|" * 16,
     ]
     for r in result["rows"]:
         mem = r.get("peak_bytes_per_sample_median")
@@ -780,6 +787,7 @@ def markdown(result):
             f"{f(r.get('train_x_larq-style_median'), '.2f')} "
             f"| {f(r.get('train_x_larq_median'), '.2f')} "
             f"| {f(r.get('train_x_float_median'), '.2f')} "
+            f"| {f(r.get('train_x_float-fused_median'), '.2f')} "
             f"| {f(r['predict_img_s_best'])} / {f(r['predict_img_s_median'])} "
             f"| {f(r.get('predict_x_larq-style_min'), '.2f')} / "
             f"{f(r.get('predict_x_larq-style_median'), '.2f')} "
@@ -823,7 +831,7 @@ def plot(rows, path):
         return
     labels = [
         f"{r['model'].replace('_small', '-s')}\n{r['size']}px b{r['batch']}\n"
-        f"{r['estimator']}{' fbn' if r['impl'] == 'tapehook-fbn' else ''}"
+        f"{r['estimator']}{' fused' if r['impl'] in FUSED_IMPLS else ''}"
         for r in ours
     ]
     series = [
@@ -876,7 +884,7 @@ def main():
     )
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--profile-estimators", default="approx_sign,ste_sign")
-    parser.add_argument("--profile-impl", default="tapehook-fbn", choices=TAPEHOOK_IMPLS)
+    parser.add_argument("--profile-impl", default="tapehook-fused", choices=TAPEHOOK_IMPLS)
     parser.add_argument("--profile-only", action="store_true")
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument(
@@ -916,8 +924,8 @@ def main():
             if estimators == "all"
             else [e for e in estimators.split(",") if e in ests]
         )
-        configs = [("float", None)] if "float" in impls else []
-        configs += [(i, e) for e in ests for i in impls if i != "float"]
+        configs = [(i, None) for i in impls if i in FLOAT_IMPLS]
+        configs += [(i, e) for e in ests for i in impls if i not in FLOAT_IMPLS]
         for size in sizes:
             for batch in batches:
                 groups.append((model, size, batch, configs))

@@ -517,3 +517,43 @@ class CaseOptimizer(keras.optimizers.Optimizer):
         )
         object.__setattr__(optimizer, "_routing_by_path", dict(config["routing"]))
         return optimizer
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class Adam(keras.optimizers.Adam):
+    """``keras.optimizers.Adam`` whose update is TensorFlow's fused
+    ``ResourceApplyAdam``: one op and one pass over a variable, its gradient
+    and both moments per step, where Keras 3 runs about a dozen elementwise
+    ops (each a pass over the variable). tf-keras's Adam, and so larq's
+    training, used the fused op.
+
+    The same arguments and math as Keras 3's Adam (TF's kernel computes
+    ``alpha = lr sqrt(1 - b2^t) / (1 - b1^t)``, ``m += (g - m)(1 - b1)``,
+    ``v += (g^2 - v)(1 - b2)``, ``var -= alpha m / (sqrt(v) + epsilon)``, as
+    Keras's does), to float rounding. ``amsgrad=True`` and sparse gradients
+    (``IndexedSlices``) run Keras's own update. Weight decay, gradient
+    clipping, EMA and loss scaling are the base optimizer's, as in Keras.
+    """
+
+    def update_step(self, gradient, variable, learning_rate):
+        if self.amsgrad or isinstance(gradient, tf.IndexedSlices):
+            return super().update_step(gradient, variable, learning_rate)
+        index = self._get_variable_index(variable)
+        dtype = variable.dtype
+        step = tf.cast(self.iterations + 1, dtype)
+
+        def raw(v):  # a Keras variable's tf.Variable (a replica's, in update())
+            return v.value if isinstance(v, keras.Variable) else v
+
+        tf.raw_ops.ResourceApplyAdam(
+            var=raw(variable).handle,
+            m=raw(self._momentums[index]).handle,
+            v=raw(self._velocities[index]).handle,
+            beta1_power=tf.pow(tf.cast(self.beta_1, dtype), step),
+            beta2_power=tf.pow(tf.cast(self.beta_2, dtype), step),
+            lr=tf.cast(learning_rate, dtype),
+            beta1=tf.cast(self.beta_1, dtype),
+            beta2=tf.cast(self.beta_2, dtype),
+            epsilon=tf.cast(self.epsilon, dtype),
+            grad=tf.cast(gradient, dtype),
+        )

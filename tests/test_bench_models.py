@@ -26,6 +26,7 @@ TINY = {"birealnet18": dict(filters=8), "quicknet_small": dict(filters=(8, 16, 3
 # (binary convs, of which strided) per architecture, from the papers.
 BINARY_CONVS = {"birealnet18": (16, 3), "quicknet_small": (16, 0)}
 TAPEHOOK = bench_models.TAPEHOOK_IMPLS
+FUSED = bench_models.FUSED_IMPLS
 
 
 def build(model, impl, estimator, **kwargs):
@@ -56,7 +57,9 @@ def binary_layers(net):
 @pytest.mark.parametrize("model", list(bench_models.ARCHITECTURES))
 def test_same_structure_and_parameters(model):
     est = bench_models.RECIPES[model]["estimators"][0]
-    nets = {impl: build(model, impl, est) for impl in ("float", "larq-style", *TAPEHOOK)}
+    nets = {
+        impl: build(model, impl, est) for impl in ("float", "float-fused", "larq-style", *TAPEHOOK)
+    }
     reference = nets["float"]
     for impl, net in nets.items():
         assert structure(net) == structure(reference), impl
@@ -71,14 +74,13 @@ def test_same_structure_and_parameters(model):
         assert [tapehook.binary_spec_of(layer.kernel) for layer in binary_layers(nets[impl])] == [
             spec
         ] * convs
-    # Only tapehook-fbn's batch norms are tapehook's (fused) layer.
+    # Only the -fused implementations' batch norms are tapehook's layer.
     for impl, net in nets.items():
         norms = [l for l in net.layers if isinstance(l, keras.layers.BatchNormalization)]
         assert norms and all(
-            isinstance(l, tapehook.layers.BatchNormalization) == (impl == "tapehook-fbn")
-            for l in norms
+            isinstance(l, tapehook.layers.BatchNormalization) == (impl in FUSED) for l in norms
         ), impl
-    for impl in ("float", "larq-style"):
+    for impl in ("float", "float-fused", "larq-style"):
         assert all(
             tapehook.binary_spec_of(l.kernel) is None
             for l in nets[impl].layers
@@ -104,11 +106,11 @@ def test_full_size_parameter_counts():
     "model,estimator", [("birealnet18", "approx_sign"), ("quicknet_small", "ste_sign")]
 )
 def test_tapehook_runs_binary_kernels_and_matches_larq_style(model, estimator, impl):
-    # tapehook-fbn against larq-style with the same (fused) batch norm: Keras's
+    # tapehook-fused against larq-style with the same (fused) batch norm: Keras's
     # rounds differently in tf.function, and at these tiny widths (batch 2 of
     # 1x1 images at the end) that flips signs. The layer itself is checked
     # against Keras's in test_layers.py.
-    norm = {"batch_norm": tapehook.layers.BatchNormalization} if impl == "tapehook-fbn" else {}
+    norm = {"batch_norm": tapehook.layers.BatchNormalization} if impl in FUSED else {}
     ours, theirs = build(model, impl, estimator), build(model, "larq-style", estimator, **norm)
     theirs.set_weights(ours.get_weights())
     x = tf.random.stateless_normal([2, SIZE, SIZE, 3], seed=[1, 2])
