@@ -347,7 +347,10 @@ def performance_doc(data, memory, baseline=None):
         "## Other benchmarks",
         "",
         "- Whole models (Bi-Real-Net-18, QuickNet-small; float, larq-style, tapehook, larq "
-        "0.14): `bench/models.py`, [models_perf.md](models_perf.md).",
+        "0.14; with Keras 3's or TF's fused batch norm and Adam): `bench/models.py`, "
+        "[models_perf.md](models_perf.md).",
+        "- tapehook.layers.BatchNormalization against Keras 3's, per layer: "
+        "`bench/batch_norm.py` (`bench/results/batch_norm.json`).",
         "- Deployed files (LiteRT float, LiteRT binary, LCE): `bench/deploy.py`, "
         "[deploy.md](deploy.md).",
         "- What importing tapehook costs unmarked eager ops: `bench/overhead.py` "

@@ -210,3 +210,24 @@ def _fresh_state():
     from tapehook import kernels
 
     kernels.force_reference(False)
+
+
+def fit_mirrored(module):
+    """{name: weights} of ``module``'s mirrored_variants() each fitted under
+    MirroredStrategy over 2 logical CPUs, in a fresh process
+    (tests/helpers/mirrored_fit.py)."""
+    import json
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "mirrored_fit.py")
+    run = subprocess.run(
+        [sys.executable, script, module],
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    return {name: [np.array(w) for w in weights] for name, weights in out.items()}

@@ -4,11 +4,6 @@ reference: eager, tf.function, Keras fit, float64, schedules, amsgrad and
 sparse gradients (Keras's own update), weight decay, loss scaling under
 mixed_float16, saving, MirroredStrategy; and that the fused op runs."""
 
-import json
-import os
-import subprocess
-import sys
-
 import keras
 import numpy as np
 import pytest
@@ -16,6 +11,8 @@ import tensorflow as tf
 
 import tapehook
 from tapehook.optimizers import Adam
+
+from conftest import fit_mirrored
 
 STEPS = 4
 
@@ -172,44 +169,23 @@ def test_mixed_float16_loss_scaling():
         keras.mixed_precision.set_global_policy("float32")
 
 
-_MIRRORED = """
-import json, sys
-import tensorflow as tf
-tf.config.set_logical_device_configuration(
-    tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
-)
-import keras
-sys.path.insert(0, sys.argv[1])
-import test_fused_adam as t
-from tapehook.optimizers import Adam
-x, y = t._data()
-out = {}
-strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-for name, make in (("ours", Adam), ("keras", keras.optimizers.Adam)):
-    with strategy.scope():
-        net = t._model()
-        net.compile(make(1e-2), "sparse_categorical_crossentropy")
-    net.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
-    out[name] = [w.tolist() for w in net.get_weights()]
-print(json.dumps(out))
-"""
+def mirrored_variants():
+    """For tests/helpers/mirrored_fit.py: the small model with each Adam."""
+
+    def build(adam):
+        net = _model()
+        net.compile(adam(1e-2), "sparse_categorical_crossentropy")
+        return net
+
+    return {"ours": lambda: build(Adam), "keras": lambda: build(keras.optimizers.Adam)}
 
 
 @pytest.mark.slow
 def test_mirrored_strategy_matches_keras():
     """fit under MirroredStrategy (2 logical CPUs): the fused update runs on
     each replica's variables (in strategy.extended.update) and gives Keras's
-    weights. A fresh process: logical devices must be set before TF runs."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    run = subprocess.run(
-        [sys.executable, "-c", _MIRRORED, here],
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    weights."""
+    out = fit_mirrored("test_fused_adam")
     assert len(out["ours"]) == len(out["keras"]) > 0
     for a, b in zip(out["ours"], out["keras"]):
-        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

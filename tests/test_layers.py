@@ -4,10 +4,6 @@ reference: outputs, gradients and moving statistics, in eager, tf.function,
 Keras fit and MirroredStrategy; that training calls run the fused op, and
 where and why they do not."""
 
-import os
-import subprocess
-import sys
-
 import keras
 import numpy as np
 import pytest
@@ -15,6 +11,8 @@ import tensorflow as tf
 
 import tapehook
 from tapehook.layers import BatchNormalization
+
+from conftest import fit_mirrored
 
 CONFIGS = {
     "default": {},
@@ -242,51 +240,29 @@ def test_fit_matches_keras_and_saves(tmp_path):
     np.testing.assert_array_equal(loaded.predict(x, verbose=0), nets["ours"].predict(x, verbose=0))
 
 
-_MIRRORED = """
-import json, sys
-import tensorflow as tf
-tf.config.set_logical_device_configuration(
-    tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * 2
-)
-import keras, numpy as np
-sys.path.insert(0, sys.argv[1])
-import test_layers as t
-from tapehook.layers import BatchNormalization
-x, y = t._data()
-out = {}
-strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-for name, norm in (("keras", keras.layers.BatchNormalization), ("ours", BatchNormalization)):
-    with strategy.scope():
-        net = t._small_model(norm)
+def mirrored_variants():
+    """For tests/helpers/mirrored_fit.py: the small model with each layer."""
+
+    def build(norm):
+        net = _small_model(norm)
         net.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
-    net.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
-    out[name] = [w.tolist() for w in net.get_weights()]
-print(json.dumps(out))
-"""
+        return net
+
+    return {
+        "keras": lambda: build(keras.layers.BatchNormalization),
+        "ours": lambda: build(BatchNormalization),
+    }
 
 
 @pytest.mark.slow
 def test_mirrored_strategy_matches_keras():
     """fit under MirroredStrategy (2 logical CPUs, per-replica batch
     statistics as Keras's synchronized=False): the same weights and moving
-    statistics as Keras's layer under the same strategy. A fresh process:
-    logical devices must be set before TF runs."""
-    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    here = os.path.dirname(os.path.abspath(__file__))
-    run = subprocess.run(
-        [sys.executable, "-c", _MIRRORED, here],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    import json
-
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    statistics as Keras's layer under the same strategy."""
+    out = fit_mirrored("test_layers")
     assert len(out["ours"]) == len(out["keras"]) == 10
     for a, b in zip(out["ours"], out["keras"]):
-        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------
@@ -394,3 +370,28 @@ def test_folded_inference_gradients(activation):
     assert len(got) == 4
     for a, b in zip(got, expected):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-3)
+
+
+def test_folded_model_exports(tmp_path):
+    """A Keras SavedModel of a folded model serves the folded op (tapehook
+    loaded); tapehook's LiteRT export writes stock ops and matches predict."""
+    from tapehook.deploy import export_tflite, run_tflite
+
+    net = _conv_bn("relu")
+    x = _inputs((4, 9, 9, 70))
+    expected = net.predict(x, verbose=0)
+    net.export(str(tmp_path / "sm"), verbose=False)
+    loaded = tf.saved_model.load(str(tmp_path / "sm"))
+    ops_in_file = {
+        n.op for f in loaded.serve.concrete_functions for n in f.graph.as_graph_def().node
+    } | {
+        n.op
+        for f in loaded.serve.concrete_functions
+        for fn in f.graph.as_graph_def().library.function
+        for n in fn.node_def
+    }
+    assert "TapehookBinaryConv2DAffine" in ops_in_file
+    np.testing.assert_allclose(loaded.serve(x).numpy(), expected, rtol=1e-5, atol=1e-4)
+    report = export_tflite(net, tmp_path / "m.tflite")
+    assert all(op.isupper() for op in report["ops"])
+    np.testing.assert_allclose(run_tflite(tmp_path / "m.tflite", x), expected, atol=1e-3)
