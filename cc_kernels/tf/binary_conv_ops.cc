@@ -104,9 +104,9 @@ REGISTER_OP("TapehookBinaryConv2DAffine")
         "multiplier * relu?(TapehookBinaryConv2D(input, filter)) + offset, per "
         "output channel ([out_c] each), the transform applied as the fully "
         "binary forward writes its outputs: an inference batch norm folded "
-        "into the conv (tapehook/layers.py). Binary input "
-        "(activation_estimator "
-        "!= 'none') and cache_filter only; float only.");
+        "into the conv (tapehook/layers.py). Binary input only "
+        "(activation_estimator other than 'none'), with cache_filter; "
+        "float only.");
 
 REGISTER_OP("TapehookBinaryConv2DBackpropInput")
     .Input("input: T")
