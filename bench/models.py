@@ -8,14 +8,18 @@ environment has it) larq 0.14 itself.
     python bench/models.py --profile-only   # only the per-op-type breakdown
     python bench/models.py --models birealnet18 --sizes 112 --batches 32 --rounds 2
 
-Implementations of one architecture (the binary 3x3 convs are the only layers
-that differ; tests/test_bench_models.py checks the parameter counts agree):
+Implementations of one architecture (the binary 3x3 convs, and for the
+"-fused" ones the batch-norm class and the optimizer, are all that differ;
+tests/test_bench_models.py checks the parameter counts agree):
 
 - ``float``: plain Keras 3 Conv2D;
 - ``larq-style``: Keras 3 Conv2D whose convolution is stock ``tf.nn.conv2d``
   on sign(x) and (alpha *) sign(W), each sign a ``tf.custom_gradient`` with
   larq's pseudo-gradient, padding with +1 where the recipe pads with 1;
 - ``tapehook``: the float model's convs, kernels clipped, ``tapehook.binarize``d;
+- ``float-fused`` / ``tapehook-fused``: ``float`` / ``tapehook`` with every batch
+  norm ``tapehook.layers.BatchNormalization`` and ``tapehook.optimizers.Adam``
+  (TF's fused kernels, as tf-keras trains with) instead of Keras 3's;
 - ``larq``: ``lq.layers.QuantConv2D`` on tf-keras (TF_USE_LEGACY_KERAS=1), run
   with the python of a side environment (``--larq-python``; skipped when absent).
 
@@ -28,8 +32,8 @@ steps_per_execution 1, Keras's default) and of ``predict``, best and median
 over rounds; the whole training step's peak memory per sample, as
 bench/memory.py measures it: the process's peak resident memory (ru_maxrss)
 after the fit steps, at batch 32 minus at batch 1, over 31. A profile of one
-tapehook Bi-Real-Net-18 training step (batch 32, 112 px) gives the time per
-op type. Results: bench/results/models.json and models.png; docs/models_perf.md.
+tapehook-fused (``--profile-impl``) Bi-Real-Net-18 training step (batch 32,
+112 px) gives the time per op type. Results: bench/results/models.json and models.png; docs/models_perf.md.
 """
 
 import argparse
