@@ -146,15 +146,15 @@ def binary_conv2d(x, w, spec: BinarySpec, attrs: dict, name=None):
         return y
 
 
-def fold_output_affine(y, multiplier, offset):
-    """``y * multiplier + offset`` (per output channel) computed by the binary
-    forward that made ``y`` as it writes its outputs, where that is possible:
-    ``y`` (or the ReLU of it) is the output of a compiled fully binary
-    forward built in a graph for inference (``cache_filter``: no tape was
-    recording), float32, on a machine without GPUs (the fused op is CPU
-    only). Returns None otherwise; the caller then computes it itself. The
-    unfused forward stays in the graph for any other consumer, and Grappler
-    prunes it when there is none."""
+def fold_output_affine(y, affine):
+    """``y * multiplier + offset`` (per output channel, ``affine()`` returning
+    the two, called only here) computed by the binary forward that made
+    ``y`` as it writes its outputs, where that is possible: ``y`` (or the ReLU
+    of it) is the output of a compiled fully binary forward built in a graph
+    for inference (``cache_filter``: no tape was recording), float32, on a
+    machine without GPUs (the fused op is CPU only). Returns None otherwise;
+    the caller then computes it itself. The unfused forward stays in the
+    graph for any other consumer, and Grappler prunes it when there is none."""
     if tf.executing_eagerly() or not isinstance(y, tf.Tensor) or y.dtype != tf.float32:
         return None
     op, relu = y.op, False
@@ -167,9 +167,9 @@ def fold_output_affine(y, multiplier, offset):
         or tf.config.list_logical_devices("GPU")
     ):
         return None
-    attrs = {name: op.get_attr(name) for name in op.node_def.attr if name != "T"}
+    multiplier, offset = affine()
     return kernels.library().tapehook_binary_conv2d_affine(
-        op.inputs[0], op.inputs[1], multiplier, offset, relu=relu, **attrs
+        op.inputs[0], op.inputs[1], multiplier, offset, relu=relu, **kernels.binary_op_attrs(op)
     )
 
 

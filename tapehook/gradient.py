@@ -154,9 +154,7 @@ def binary_conv2d_affine_op_grad(op, grad):
     for the ReLU mask and the multiplier's gradient."""
     x, w, multiplier, _ = op.inputs
     spec, attrs = BinarySpec.from_op_attrs(op.get_attr), conv_attrs(op.get_attr)
-    conv = kernels.library().tapehook_binary_conv2d(
-        x, w, **attrs, **spec.op_attrs(), cache_filter=True, plan=op.get_attr("plan")
-    )
+    conv = kernels.library().tapehook_binary_conv2d(x, w, **kernels.binary_op_attrs(op))
     pre = tf.nn.relu(conv) if op.get_attr("relu") else conv
     d_pre = grad * multiplier
     if op.get_attr("relu"):

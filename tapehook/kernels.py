@@ -37,6 +37,13 @@ BINARY_OP = "TapehookBinaryConv2D"  # the compiled forward's op type
 AFFINE_OP = "TapehookBinaryConv2DAffine"
 _COUNT_KINDS = ("forward", "backprop_input", "backprop_filter")
 
+
+def binary_op_attrs(op) -> dict:
+    """The attrs of a TapehookBinaryConv2D(Affine) op that its plain forward
+    takes (all but the inferred T and the affine op's relu)."""
+    return {name: op.get_attr(name) for name in op.node_def.attr if name not in ("T", "relu")}
+
+
 _lock = threading.Lock()
 _state = {"tried": False, "library": None, "cdll": None, "info": None}
 _forced_reference = [False]

@@ -135,14 +135,18 @@ class BatchNormalization(keras.layers.BatchNormalization):
             return None
         if tf.as_dtype(self.compute_dtype) != tf.float32:
             return None
-        # Keras's inference transform (tf.nn.batch_normalization's a and b).
+        return conv2d.fold_output_affine(inputs, self._inference_affine)
+
+    def _inference_affine(self):
+        """Keras's inference transform x * a + b: (a, b) as
+        tf.nn.batch_normalization computes them."""
         inv = tf.math.rsqrt(tf.cast(self.moving_variance, tf.float32) + self.epsilon)
         if self.scale:
             inv = inv * tf.cast(self.gamma, tf.float32)
         shift = -tf.cast(self.moving_mean, tf.float32) * inv
         if self.center:
             shift = tf.cast(self.beta, tf.float32) + shift
-        return conv2d.fold_output_affine(inputs, inv, shift)
+        return inv, shift
 
     def _fused_training_call(self, inputs):
         """Batch statistics, output and the moving-statistics update of one

@@ -601,14 +601,17 @@ void BitpackedForwardWith(const ConvShape& s, const T* x, const BitFilter<T>& f,
             // Exact in int32 and in T (|dot| < 2^24 for any real layer).
             const int32_t all_match = static_cast<int32_t>(valid * C);
             T* out = y + (pix0 + p) * N;
-            for (int64_t o = 0; o < N && offset == nullptr; ++o) {
-              out[o] = alpha_t[o] * static_cast<T>(all_match - 2 * cnt[o]);
-            }
-            for (int64_t o = 0; o < N && offset != nullptr; ++o) {
-              const int32_t dot = all_match - 2 * cnt[o];
-              out[o] = std::fma(alpha_t[o],
-                                static_cast<T>(relu ? std::max(dot, 0) : dot),
-                                offset[o]);
+            if (offset == nullptr) {
+              for (int64_t o = 0; o < N; ++o) {
+                out[o] = alpha_t[o] * static_cast<T>(all_match - 2 * cnt[o]);
+              }
+            } else {
+              for (int64_t o = 0; o < N; ++o) {
+                const int32_t dot = all_match - 2 * cnt[o];
+                out[o] = std::fma(alpha_t[o],
+                                  static_cast<T>(relu ? std::max(dot, 0) : dot),
+                                  offset[o]);
+              }
             }
           }
         }
