@@ -158,7 +158,7 @@ def fold_output_affine(y, affine):
     if tf.executing_eagerly() or not isinstance(y, tf.Tensor) or y.dtype != tf.float32:
         return None
     op, relu = y.op, False
-    if op.type == "Relu":
+    if op.type == "Relu" and len(op.inputs[0].consumers()) == 1:
         op, relu = op.inputs[0].op, True
     if (
         op.type != kernels.BINARY_OP

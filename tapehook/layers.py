@@ -28,6 +28,44 @@ def _float32_or(weight, default):
     return default if weight is None else tf.cast(weight, tf.float32)
 
 
+# Stock convolutions a following per-channel affine can be folded into.
+_FLOAT_CONVS = ("Conv2D", "DepthwiseConv2dNative")
+
+
+def _is_channels_last(op, *types):
+    """``op`` is one of ``types`` computing on NHWC tensors."""
+    return op.type in types and op.get_attr("data_format") == b"NHWC"
+
+
+def _fold_into_float_conv(y, affine):
+    """``y * multiplier + offset`` (per channel, ``affine()`` returning the
+    two) as the stock float convolution that made ``y`` with its filter
+    scaled, ``conv(x, W * multiplier) + offset`` (a BiasAdd, which TF's
+    remapper fuses into the conv), where ``y`` is the NHWC output of a
+    Conv2D or DepthwiseConv2dNative; None otherwise. The same transform to
+    float rounding (the product is rounded once per filter tap instead of
+    once per output); the unscaled conv is left without consumers and
+    pruned."""
+    op = y.op
+    if not _is_channels_last(op, *_FLOAT_CONVS):
+        return None
+    x, kernel = op.inputs
+    if kernel.op.type != "ReadVariableOp" or kernel.dtype != tf.float32:
+        # Only a layer's own kernel: a computed or constant filter (tapehook's
+        # deploy graphs' binary ones among them: LCE's converter matches them
+        # as they are) keeps its batch norm.
+        return None
+    multiplier, offset = affine()
+    attrs = {name: op.get_attr(name) for name in op.node_def.attr if name != "T"}
+    if op.type == "Conv2D":
+        scaled = kernel * multiplier
+        out = tf.raw_ops.Conv2D(input=x, filter=scaled, **attrs)
+    else:  # depthwise: channel c * M + m of the output is filter[:, :, c, m]
+        scaled = kernel * tf.reshape(multiplier, tf.shape(kernel)[2:])
+        out = tf.raw_ops.DepthwiseConv2dNative(input=x, filter=scaled, **attrs)
+    return tf.nn.bias_add(out, offset)
+
+
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class BatchNormalization(keras.layers.BatchNormalization):
     """``keras.layers.BatchNormalization`` trained on TensorFlow's fused op.
@@ -46,11 +84,19 @@ class BatchNormalization(keras.layers.BatchNormalization):
     Inference calls compute Keras's ``x * a + b`` (a, b from the moving
     statistics, gamma and beta, as Keras computes them) with Keras's ops —
     the fused op does not beat them at small batches — or, in a graph
-    (``tf.function``, Keras ``predict``) built with no tape recording, where
-    the input is (the ReLU of) a compiled fully binary conv's output, by that
-    conv as it writes its outputs (one fused multiply-add per output, no
-    pass over the tensor; TapehookBinaryConv2DAffine, float32, CPU).
-    ``tf.gradients`` of such a graph is defined. Deploy exports are
+    (``tf.function``, Keras ``predict``), folded into the convolution whose
+    float32 output (plus a bias) the input is, when nothing else reads it:
+
+    - (the ReLU of) a compiled fully binary conv built with no tape
+      recording: that conv applies it as it writes its outputs (one fused
+      multiply-add per output, no pass over the tensor;
+      TapehookBinaryConv2DAffine, CPU);
+    - a stock NHWC ``Conv2D`` or ``DepthwiseConv2dNative`` (a float stem,
+      shortcut or transition): ``conv(x, W * a) + b``, the scaled filter and
+      a BiasAdd that TF fuses into the conv — taped or not, the gradients
+      are those of the same math.
+
+    ``tf.gradients`` of a folded graph is defined. Deploy exports are
     unaffected (their binary convs are stock ops).
 
     Results equal Keras's to float rounding: outputs and gradients (through
@@ -133,9 +179,42 @@ class BatchNormalization(keras.layers.BatchNormalization):
             return None
         if self._input_reason(inputs, mask) or inputs.shape.rank != 4:
             return None
-        if tf.as_dtype(self.compute_dtype) != tf.float32:
+        if tf.as_dtype(self.compute_dtype) != tf.float32 or inputs.dtype != tf.float32:
             return None
-        return conv2d.fold_output_affine(inputs, self._inference_affine)
+        if inputs.consumers() or self._input_read_elsewhere():
+            return None  # another layer reads the conv's output too: fold nothing
+        y, affine = inputs, self._inference_affine
+        if _is_channels_last(y.op, "BiasAdd") and len(y.op.inputs[0].consumers()) == 1:
+            # (z + bias) * a + b = z * a + (bias * a + b): fold the bias too.
+            y, bias = y.op.inputs
+
+            def affine():
+                multiplier, offset = self._inference_affine()
+                return multiplier, bias * multiplier + offset
+
+        folded = conv2d.fold_output_affine(y, affine)
+        if folded is None:
+            folded = _fold_into_float_conv(y, affine)
+        return folded
+
+    def _input_read_elsewhere(self):
+        """Whether, in the Keras functional graphs this layer is called in,
+        a tensor it reads is read by another layer too (which would keep the
+        unfolded conv computing beside the folded one). A layer called
+        outside functional graphs has no such record; there only readers
+        created before this call are seen (``Tensor.consumers()``)."""
+        for node in getattr(self, "_inbound_nodes", ()):
+            for tensor in node.input_tensors:
+                history = getattr(tensor, "_keras_history", None)
+                producer = history.operation if history else None
+                if producer is None:
+                    continue
+                readers = [
+                    n for n in producer._outbound_nodes if any(t is tensor for t in n.input_tensors)
+                ]
+                if len(readers) > 1:
+                    return True
+        return False
 
     def _inference_affine(self):
         """Keras's inference transform x * a + b: (a, b) as

@@ -269,14 +269,17 @@ def test_mirrored_strategy_matches_keras():
 # Inference folded into a binary conv (conv2d.fold_output_affine).
 
 
-def _conv_bn(activation=None, norm=BatchNormalization, use_bias=False, spec=None, **bn):
+def _conv_bn(
+    activation=None, norm=BatchNormalization, use_bias=False, spec=None, read_twice=False, **bn
+):
     keras.utils.set_random_seed(7)
     inputs = keras.Input((9, 9, 70))
     conv = keras.layers.Conv2D(
         40, 3, padding="same", use_bias=use_bias, activation=activation, name="binary"
     )
-    y = norm(**bn)(conv(inputs))
-    net = keras.Model(inputs, keras.layers.Add()([y, y]))
+    z = conv(inputs)
+    y = norm(**bn)(z)
+    net = keras.Model(inputs, keras.layers.Add()([y, z if read_twice else y]))
     tapehook.binarize(net, include="binary", **(spec or dict(activations=True, scale="mean_abs")))
     rng = np.random.default_rng(11)
     layer = net.layers[2]
@@ -293,7 +296,7 @@ def _infer_graph(net, x):
     return fn(x), types
 
 
-@pytest.mark.parametrize("activation", [None, "relu"])
+@pytest.mark.parametrize("activation", [None, "relu", "bias"])
 @pytest.mark.parametrize("spec", ["mean_abs", "plain", "one_padding"])
 def test_inference_folds_into_binary_conv(activation, spec):
     specs = {
@@ -301,8 +304,13 @@ def test_inference_folds_into_binary_conv(activation, spec):
         "plain": dict(activations="approx_sign"),
         "one_padding": dict(activations=True, pad_value=1.0, clip=1.25),
     }
-    ours = _conv_bn(activation, spec=specs[spec])
-    ref = _conv_bn(activation, norm=keras.layers.BatchNormalization, spec=specs[spec])
+    # "bias": the conv's BiasAdd, folded into the offset.
+    use_bias = activation == "bias"
+    activation = None if use_bias else activation
+    ours = _conv_bn(activation, use_bias=use_bias, spec=specs[spec])
+    ref = _conv_bn(
+        activation, use_bias=use_bias, norm=keras.layers.BatchNormalization, spec=specs[spec]
+    )
     ref.set_weights(ours.get_weights())
     x = _inputs((3, 9, 9, 70))
     tapehook.reset_dispatch_counts()
@@ -323,7 +331,8 @@ def test_inference_not_folded_where_it_cannot_be():
     def folds(net):
         return "TapehookBinaryConv2DAffine" in _infer_graph(net, x)[1]
 
-    assert not folds(_conv_bn(use_bias=True))  # a BiasAdd in between
+    assert not folds(_conv_bn("relu", use_bias=True))  # a bias before the ReLU
+    assert not folds(_conv_bn(read_twice=True))  # another layer reads the conv's output
     assert not folds(_conv_bn(spec=dict(activations=False)))  # weight-only conv
     assert not folds(_conv_bn(fused=False))
     assert not folds(_conv_bn(activation="tanh"))
@@ -395,3 +404,174 @@ def test_folded_model_exports(tmp_path):
     report = export_tflite(net, tmp_path / "m.tflite")
     assert all(op.isupper() for op in report["ops"])
     np.testing.assert_allclose(run_tflite(tmp_path / "m.tflite", x), expected, atol=1e-3)
+
+
+# ---------------------------------------------------------------------------
+# Inference folded into a stock float conv (layers._fold_into_float_conv).
+
+FLOAT_CONVS = {
+    "conv_strided": lambda: keras.layers.Conv2D(7, 3, strides=2, padding="same", use_bias=False),
+    "conv_bias": lambda: keras.layers.Conv2D(5, 3, padding="valid"),
+    "conv_dilated": lambda: keras.layers.Conv2D(5, 3, dilation_rate=2, use_bias=False),
+    "pointwise": lambda: keras.layers.Conv2D(8, 1, use_bias=False),
+    "depthwise_x2": lambda: keras.layers.DepthwiseConv2D(
+        3, depth_multiplier=2, padding="same", use_bias=False
+    ),
+    "depthwise_bias": lambda: keras.layers.DepthwiseConv2D(3, strides=2, padding="valid"),
+}
+
+
+def _float_conv_bn(kind, norm=BatchNormalization, read_twice=False, trainable=True, **bn):
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((11, 11, 6))
+    z = FLOAT_CONVS[kind]()(inputs)
+    layer = norm(**bn)
+    layer.trainable = trainable
+    y = layer(z)
+    net = keras.Model(inputs, keras.layers.Add()([y, z]) if read_twice else y * y)
+    rng = np.random.default_rng(3)
+    for v in layer.weights + [w for w in net.layers[1].weights if "bias" in w.path]:
+        v.assign(
+            rng.uniform(0.5, 1.5, v.shape).astype(np.float32) * (-1 if "beta" in v.path else 1)
+        )
+    return net
+
+
+def _folded_conv(types_and_graph):
+    """The graph's BiasAdd ops fed by a conv whose filter was scaled (a Mul)."""
+    return [
+        op
+        for op in types_and_graph.get_operations()
+        if op.type == "BiasAdd"
+        and op.inputs[0].op.type in ("Conv2D", "DepthwiseConv2dNative")
+        and op.inputs[0].op.inputs[1].op.type == "Mul"
+    ]
+
+
+@pytest.mark.parametrize("kind", sorted(set(FLOAT_CONVS) - {"conv_dilated"}))
+def test_inference_folds_into_float_conv(kind):
+    ours = _float_conv_bn(kind)
+    ref = _float_conv_bn(kind, norm=keras.layers.BatchNormalization)
+    ref.set_weights(ours.get_weights())
+    x = _inputs((3, 11, 11, 6))
+    fn = tf.function(lambda t: ours(t, training=False))
+    graph = fn.get_concrete_function(x).graph
+    folded = _folded_conv(graph)
+    assert len(folded) == 1
+    # The batch norm's output is the folded conv's: the model's y * y reads it.
+    (square,) = set(folded[0].outputs[0].consumers())
+    assert square.type == "Mul" and square.inputs[0] is square.inputs[1]
+    expected = ref(x, training=False).numpy()
+    assert not _folded_conv(
+        tf.function(lambda t: ref(t, training=False)).get_concrete_function(x).graph
+    )
+    np.testing.assert_allclose(fn(x).numpy(), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ours(x, training=False).numpy(), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ours.predict(x, verbose=0), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_inference_not_folded_into_float_conv_where_it_cannot_be():
+    x = _inputs((2, 11, 11, 6))
+
+    def folds(net):
+        fn = tf.function(lambda t: net(t, training=False))
+        return bool(_folded_conv(fn.get_concrete_function(x).graph))
+
+    assert folds(_float_conv_bn("conv_strided"))
+    assert not folds(_float_conv_bn("conv_strided", read_twice=True))
+    assert not folds(_float_conv_bn("conv_strided", fused=False))
+    # Keras's dilated conv is SpaceToBatchND, Conv2D, BatchToSpaceND: not a conv's output.
+    assert not folds(_float_conv_bn("conv_dilated"))
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((11, 11, 6))
+    relu = keras.layers.Conv2D(4, 3, activation="relu", use_bias=False)(inputs)
+    assert not folds(keras.Model(inputs, BatchNormalization()(relu)))  # ReLU in between
+
+
+@pytest.mark.parametrize("taped", [False, True])
+@pytest.mark.parametrize("kind", ["conv_bias", "depthwise_x2"])
+def test_float_folded_inference_gradients(kind, taped):
+    """Gradients through a folded float conv (tf.gradients, or a tape in a
+    tf.function) to the input, the conv's weights, gamma and beta equal
+    those through Keras's batch norm."""
+    x = _inputs((2, 11, 11, 6))
+    weight = None
+
+    def grads(net):
+        nonlocal weight
+        variables = [*net.layers[1].trainable_variables, *net.layers[2].trainable_variables]
+
+        if weight is None:  # a fixed random weighting of the outputs
+            weight = tf.constant(np.random.default_rng(4).standard_normal(net.output_shape[1:]))
+            weight = tf.cast(weight, tf.float32)
+
+        @tf.function
+        def g(t):
+            if not taped:
+                y = net(t, training=False)
+                return tf.gradients(tf.reduce_sum(y * weight), [t, *variables])
+            with tf.GradientTape() as tape:
+                tape.watch(t)
+                loss = tf.reduce_sum(net(t, training=False) * weight)
+            return tape.gradient(loss, [t, *variables])
+
+        return g(x), g.get_concrete_function(x).graph
+
+    ours, ref = _float_conv_bn(kind), _float_conv_bn(kind, norm=keras.layers.BatchNormalization)
+    ref.set_weights(ours.get_weights())
+    got, graph = grads(ours)
+    expected, _ = grads(ref)
+    assert _folded_conv(graph)
+    assert len(got) == len(expected) >= 3
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-4)
+
+
+def test_frozen_batch_norm_fine_tuning_folds():
+    """A frozen batch norm (trainable=False runs in inference mode, as in
+    fine-tuning) after a float conv is folded inside the fit step, and the
+    conv trains as under Keras's frozen batch norm."""
+    x = _inputs((8, 11, 11, 6)).numpy()
+    y = np.random.default_rng(2).standard_normal((8, 6, 6, 7)).astype(np.float32)
+    nets = []
+    for norm in (BatchNormalization, keras.layers.BatchNormalization):
+        net = _float_conv_bn("conv_strided", norm=norm, trainable=False)
+        if nets:
+            net.set_weights(nets[0].get_weights())
+        net.compile(keras.optimizers.SGD(0.05), "mse")
+        nets.append(net)
+    before = [w.copy() for w in nets[0].get_weights()]
+    for net in nets:
+        net.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    for a, b, c in zip(nets[0].get_weights(), nets[1].get_weights(), before):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert not np.allclose(nets[0].get_weights()[0], before[0])  # the conv trained
+    # The fit step's graph ran the folded conv.
+    graph = tf.function(lambda t: nets[0](t, training=True)).get_concrete_function(x).graph
+    assert _folded_conv(graph)
+
+
+def test_deploy_graphs_keep_their_batch_norms_on_binary_convs(tmp_path):
+    """A deploy graph's binary conv is a stock conv of a constant sign filter:
+    the batch norm is not folded into it (LCE's converter matches the conv as
+    it is), so the exported ops equal those with Keras's batch norm; the float
+    stem's batch norm folds, as TFLite's converter would fold it."""
+    from tapehook.deploy import export_tflite, run_tflite
+
+    reports, x = [], _inputs((2, 9, 9, 70))
+    for norm in (BatchNormalization, keras.layers.BatchNormalization):
+        keras.utils.set_random_seed(7)
+        inputs = keras.Input((9, 9, 70))
+        z = BatchNormalization()(keras.layers.Conv2D(70, 1, use_bias=False, name="stem")(inputs))
+        y = norm()(keras.layers.Conv2D(40, 3, use_bias=False, name="binary")(z))
+        net = keras.Model(inputs, y)
+        tapehook.binarize(net, include="binary", activations=True)
+        report = export_tflite(net, tmp_path / f"{norm.__module__}.tflite")
+        np.testing.assert_allclose(
+            run_tflite(tmp_path / f"{norm.__module__}.tflite", x),
+            net.predict(x, verbose=0),
+            rtol=1e-4,
+            atol=1e-3,
+        )
+        reports.append(report)
+    assert sorted(reports[0]["ops"]) == sorted(reports[1]["ops"])
