@@ -55,6 +55,14 @@ def _fold_into_float_conv(y, affine):
         # deploy graphs' binary ones among them: LCE's converter matches them
         # as they are) keeps its batch norm.
         return None
+    # Scaling the filter is a pass over W in every call; Keras's transform is
+    # two passes over y. Fold where W is the smaller (a float network's deep
+    # 3x3 convs at batch 1 are not: their filters outweigh their outputs).
+    per_sample = y.shape[1:].num_elements()
+    if per_sample is None or kernel.shape.num_elements() is None:
+        return None
+    if kernel.shape.num_elements() > 2 * (y.shape[0] or 1) * per_sample:
+        return None
     multiplier, offset = affine()
     attrs = {name: op.get_attr(name) for name in op.node_def.attr if name != "T"}
     if op.type == "Conv2D":
@@ -156,7 +164,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
         if not (training and self.trainable):
             # Inference: Keras's x * a + b (the fused op does not beat its two
             # elementwise ops at small batches: bench/results/batch_norm.json),
-            # or that transform applied by the binary conv whose output this is.
+            # or that transform folded into the conv whose output this is.
             folded = self._folded_inference(inputs, mask)
             if folded is not None:
                 return folded
@@ -173,8 +181,9 @@ class BatchNormalization(keras.layers.BatchNormalization):
         return self._fused_training_call(inputs)
 
     def _folded_inference(self, inputs, mask):
-        """The inference output computed by the binary conv that produced
-        ``inputs`` (conv2d.fold_output_affine), or None where it cannot be."""
+        """The inference output computed by the conv that produced ``inputs``
+        (a binary one: conv2d.fold_output_affine; a float one:
+        _fold_into_float_conv), or None where it cannot be."""
         if not isinstance(inputs, tf.Tensor) or tf.executing_eagerly():
             return None
         if self._input_reason(inputs, mask) or inputs.shape.rank != 4:
@@ -210,7 +219,9 @@ class BatchNormalization(keras.layers.BatchNormalization):
                 if producer is None:
                     continue
                 readers = [
-                    n for n in producer._outbound_nodes if any(t is tensor for t in n.input_tensors)
+                    n
+                    for n in getattr(producer, "_outbound_nodes", ())
+                    if any(t is tensor for t in n.input_tensors)
                 ]
                 if len(readers) > 1:
                     return True

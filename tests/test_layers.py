@@ -482,6 +482,17 @@ def test_inference_not_folded_into_float_conv_where_it_cannot_be():
     assert not folds(_float_conv_bn("conv_strided", fused=False))
     # Keras's dilated conv is SpaceToBatchND, Conv2D, BatchToSpaceND: not a conv's output.
     assert not folds(_float_conv_bn("conv_dilated"))
+    # A filter larger than two passes over the batch's outputs (3x3x64x32 taps
+    # against 32 outputs per sample) is not scaled per call: folded from batch 288.
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((3, 3, 64))
+    big = keras.Model(
+        inputs, BatchNormalization()(keras.layers.Conv2D(32, 3, use_bias=False)(inputs))
+    )
+    for batch, folded in ((None, False), (1, False), (287, False), (288, True)):
+        fn = tf.function(lambda t: big(t, training=False))
+        graph = fn.get_concrete_function(tf.TensorSpec((batch, 3, 3, 64))).graph
+        assert bool(_folded_conv(graph)) == folded, batch
     keras.utils.set_random_seed(5)
     inputs = keras.Input((11, 11, 6))
     relu = keras.layers.Conv2D(4, 3, activation="relu", use_bias=False)(inputs)
