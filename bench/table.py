@@ -348,7 +348,8 @@ def performance_doc(data, memory, baseline=None):
         "",
         "- Whole models (Bi-Real-Net-18, QuickNet-small; float, larq-style, tapehook, larq "
         "0.14; with Keras 3's or TF's fused batch norm and Adam): `bench/models.py`, "
-        "[models_perf.md](models_perf.md).",
+        "[models_perf.md](models_perf.md); what their training steps keep for the "
+        "backward: `bench/saved_tensors.py` (`bench/results/saved_tensors.json`).",
         "- tapehook.layers.BatchNormalization against Keras 3's, per layer: "
         "`bench/batch_norm.py` (`bench/results/batch_norm.json`).",
         "- Deployed files (LiteRT float, LiteRT binary, LCE): `bench/deploy.py`, "

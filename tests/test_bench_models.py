@@ -166,3 +166,30 @@ def test_profile_breakdown_names_tapehook_ops(tmp_path):
     assert rows["TapehookBinaryConv2D"]["count"] == 3 and rows["TapehookBinaryConv2D"]["tapehook"]
     assert rows["Relu"]["count"] == 3 and not rows["Relu"]["tapehook"]
     assert abs(sum(r["share"] for r in profile["top"]) - 1) < 1e-6 or profile["all_types"] > 25
+
+
+def test_saved_set_is_what_the_backward_reads():
+    """bench/saved_tensors.py on a model whose backward is known by hand:
+    Dense-ReLU-Dense under a from-logits cross entropy keeps the ReLU's output
+    (ReluGrad and the second MatMul's dW read it) and the cross entropy's
+    backprop output; the input and the weights are not counted."""
+    spec = importlib.util.spec_from_file_location("bench_saved", _PATH.parent / "saved_tensors.py")
+    saved = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(saved)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    hidden = keras.layers.Dense(8, activation="relu", name="head_hidden")(inputs)
+    net = keras.Model(inputs, keras.layers.Dense(3, name="head")(hidden))
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build(net.trainable_variables)
+    graph = saved.trace_step(
+        net,
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        optimizer,
+        tf.TensorSpec((4, 5), tf.float32),
+        tf.TensorSpec((4,), tf.int64),
+    )
+    tensors = saved.saved_set(graph, 4)
+    arrays = {t["producer"]: t["bytes_per_sample"] for t in tensors if t["bytes_per_sample"] >= 4}
+    assert arrays == {"Relu": 8 * 4, "SparseSoftmaxCrossEntropyWithLogits": 3 * 4}
+    assert all(t["layers"] == "head" for t in tensors if t["producer"] == "Relu")
