@@ -30,14 +30,16 @@ import models  # noqa: E402 (bench/models.py: the architectures and implementati
 
 RESULTS = HERE / "results" / "saved_tensors.json"
 # Producers whose outputs are not activations a step keeps: constants, the
-# variables' reads (the weights), the inputs, shapes and the like.
-NOT_SAVED = {"Const", "ReadVariableOp", "Placeholder", "VarHandleOp", "Shape", "Identity"}
+# variables' reads (the weights), the inputs, shapes.
+NOT_SAVED = {"Const", "ReadVariableOp", "Placeholder", "VarHandleOp", "Shape"}
 
 
 def saved_set(graph, batch):
     """The forward tensors the backward of a traced training step reads:
     [{tensor, producer, layers, bytes_per_sample}], forward ops being those
-    created before the tape's first gradient op."""
+    created before the tape's first gradient op, an Identity counted as the
+    tensor it forwards. Raises where a saved tensor's shape is not static
+    (its bytes would be unknown)."""
     operations = graph.get_operations()
     first = next(
         (i for i, op in enumerate(operations) if op.name.startswith("gradient_tape")),
@@ -47,11 +49,13 @@ def saved_set(graph, batch):
     saved = {}
     for op in operations[first:]:
         for t in op.inputs:
+            while t.op.type == "Identity" and t.op.name in forward:
+                t = t.op.inputs[0]
             producer = t.op
-            if producer.name not in forward or producer.type in NOT_SAVED:
+            if producer.name not in forward or producer.type in NOT_SAVED or t.name in saved:
                 continue
-            if not t.shape.is_fully_defined() or t.name in saved:
-                continue
+            if not t.shape.is_fully_defined():
+                raise ValueError(f"{t.name} ({producer.type}) is kept with a shape of {t.shape}")
             saved[t.name] = {
                 "tensor": t.name,
                 "producer": producer.type,

@@ -42,9 +42,10 @@ def _fold_into_float_conv(y, affine):
     two) as the stock float convolution that made ``y`` with its filter
     scaled, ``conv(x, W * multiplier) + offset`` (a BiasAdd, which TF's
     remapper fuses into the conv), where ``y`` is the NHWC output of a
-    Conv2D or DepthwiseConv2dNative; None otherwise. The same transform to
-    float rounding (the product is rounded once per filter tap instead of
-    once per output); the unscaled conv is left without consumers and
+    Conv2D or DepthwiseConv2dNative of a layer's kernel (a variable read)
+    no larger than two passes over ``y``; None otherwise. The same transform
+    to float rounding (the product is rounded once per filter tap instead
+    of once per output); the unscaled conv is left without consumers and
     pruned."""
     op = y.op
     if not _is_channels_last(op, *_FLOAT_CONVS):
