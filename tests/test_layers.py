@@ -554,10 +554,10 @@ def test_frozen_batch_norm_fine_tuning_folds():
     before = [w.copy() for w in nets[0].get_weights()]
     for net in nets:
         net.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
-    for a, b, c in zip(nets[0].get_weights(), nets[1].get_weights(), before):
+    for a, b in zip(nets[0].get_weights(), nets[1].get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     assert not np.allclose(nets[0].get_weights()[0], before[0])  # the conv trained
-    # The fit step's graph ran the folded conv.
+    # A training call (what fit's step traces) folds the frozen batch norm.
     graph = tf.function(lambda t: nets[0](t, training=True)).get_concrete_function(x).graph
     assert _folded_conv(graph)
 
@@ -565,8 +565,9 @@ def test_frozen_batch_norm_fine_tuning_folds():
 def test_deploy_graphs_keep_their_batch_norms_on_binary_convs(tmp_path):
     """A deploy graph's binary conv is a stock conv of a constant sign filter:
     the batch norm is not folded into it (LCE's converter matches the conv as
-    it is), so the exported ops equal those with Keras's batch norm; the float
-    stem's batch norm folds, as TFLite's converter would fold it."""
+    it is), so the exported ops equal those with Keras's batch norm (the
+    float stem's batch norm is tapehook's in both), and the file computes
+    what predict does."""
     from tapehook.deploy import export_tflite, run_tflite
 
     reports, x = [], _inputs((2, 9, 9, 70))
