@@ -33,7 +33,7 @@ over rounds; the whole training step's peak memory per sample, as
 bench/memory.py measures it: the process's peak resident memory (ru_maxrss)
 after the fit steps, at batch 32 minus at batch 1, over 31. A profile of one
 tapehook-fused (``--profile-impl``) Bi-Real-Net-18 training step (batch 32,
-112 px) gives the time per op type. Results: bench/results/models.json and models.png; docs/models_perf.md.
+112 px), and of its predict, gives the time per op type. Results: bench/results/models.json and models.png; docs/models_perf.md.
 """
 
 import argparse
@@ -523,6 +523,16 @@ def child(cfg):
         tf.profiler.experimental.stop()
         profile = op_type_breakdown(logdir)
         profile.update(steps=cfg["profile"], wall_ms=wall * 1e3)
+        # The same for predict (the inference graph: folded batch norms).
+        net.predict(inputs, steps=2, verbose=0)
+        logdir = tempfile.mkdtemp(prefix="tapehook_models_profile_predict_")
+        tf.profiler.experimental.start(logdir)
+        t0 = time.perf_counter()
+        net.predict(inputs, steps=cfg["profile"], verbose=0)
+        wall = time.perf_counter() - t0
+        tf.profiler.experimental.stop()
+        profile["predict"] = op_type_breakdown(logdir)
+        profile["predict"].update(steps=cfg["profile"], wall_ms=wall * 1e3)
 
     warm, steps = cfg["predict_steps"]
     timer = Timer()
@@ -747,9 +757,9 @@ def print_table(rows, file=sys.stdout):
         )
 
 
-def print_profile(profile, file=sys.stdout):
+def print_profile(profile, file=sys.stdout, what="training steps"):
     print(
-        f"{profile['steps']} training steps, {profile['wall_ms']:.0f} ms wall; op self "
+        f"{profile['steps']} {what}, {profile['wall_ms']:.0f} ms wall; op self "
         f"time {profile['total_op_self_ms']:.0f} ms over {profile['all_types']} op types",
         file=file,
     )
@@ -764,6 +774,9 @@ def print_profile(profile, file=sys.stdout):
     print(f"\n{'by layer':48s} {'self ms':>9s} {'share':>6s}", file=file)
     for r in profile["by_layer_kind"]:
         print(f"{r['layers']:48s} {r['self_ms']:9.1f} {100 * r['share']:5.1f}%", file=file)
+    if "predict" in profile:
+        print("\npredict:", file=file)
+        print_profile(profile["predict"], file, "predict batches")
 
 
 def markdown(result):
@@ -800,28 +813,37 @@ def markdown(result):
             f"| {f(tensor / 2**20 if tensor else None, '.2f')} "
             f"| {f(r.get('tensor_peak_x_lower_than_larq_style'), '.2f')} |"
         )
+    predicts = []
     for p in result.get("profiles", []):
-        lines += [
-            "",
-            f"Bi-Real-Net-18, {p['impl']}, {p['estimator']} inputs, batch {p['batch']}, "
-            f"{p['size']} px: {p['steps']} fit steps, {p['wall_ms']:.0f} ms wall, "
-            f"{p['total_op_self_ms']:.0f} ms of op self time",
-            "",
-            "| op type | self ms | share | count |",
-            "|---|---|---|---|",
-        ]
-        lines += [
-            f"| {r['op_type']}{' (tapehook)' if r['tapehook'] else ''} | "
-            f"{r['self_ms']:.1f} | {100 * r['share']:.1f} % | {r['count']} |"
-            for r in p["top"][:15]
-        ]
-        lines += ["", "| layers | self ms | share |", "|---|---|---|"]
-        lines += [
-            f"| {r['layers']} | {r['self_ms']:.1f} | {100 * r['share']:.1f} % |"
-            for r in p["by_layer_kind"]
-            if r["self_ms"] > 0
-        ]
-    return "\n".join(lines)
+        lines += profile_markdown(p, f"{p['estimator']} inputs", "fit steps")
+        if "predict" in p and not predicts:  # one graph whatever the input estimator
+            predicts = profile_markdown({**p, **p["predict"]}, "predict", "predict batches")
+    return "\n".join(lines + predicts)
+
+
+def profile_markdown(p, what, unit):
+    """One profile's two tables (op types, layer kinds)."""
+    lines = [
+        "",
+        f"Bi-Real-Net-18, {p['impl']}, {what}, batch {p['batch']}, {p['size']} px: "
+        f"{p['steps']} {unit}, {p['wall_ms']:.0f} ms wall, "
+        f"{p['total_op_self_ms']:.0f} ms of op self time",
+        "",
+        "| op type | self ms | share | count |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['op_type']}{' (tapehook)' if r['tapehook'] else ''} | "
+        f"{r['self_ms']:.1f} | {100 * r['share']:.1f} % | {r['count']} |"
+        for r in p["top"][:15]
+    ]
+    lines += ["", "| layers | self ms | share |", "|---|---|---|"]
+    lines += [
+        f"| {r['layers']} | {r['self_ms']:.1f} | {100 * r['share']:.1f} % |"
+        for r in p["by_layer_kind"]
+        if r["self_ms"] > 0
+    ]
+    return lines
 
 
 def plot(rows, path):
