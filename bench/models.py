@@ -515,24 +515,22 @@ def child(cfg):
 
     profile = None
     if cfg.get("profile"):
-        logdir = tempfile.mkdtemp(prefix="tapehook_models_profile_")
-        tf.profiler.experimental.start(logdir)
-        t0 = time.perf_counter()
-        net.fit(data, steps_per_epoch=cfg["profile"], epochs=1, verbose=0)
-        wall = time.perf_counter() - t0
-        tf.profiler.experimental.stop()
-        profile = op_type_breakdown(logdir)
-        profile.update(steps=cfg["profile"], wall_ms=wall * 1e3)
+        count = cfg["profile"]
+
+        def profiled(run):
+            """run() under TF's profiler: its op-type breakdown and wall time."""
+            logdir = tempfile.mkdtemp(prefix="tapehook_models_profile_")
+            tf.profiler.experimental.start(logdir)
+            t0 = time.perf_counter()
+            run()
+            wall = time.perf_counter() - t0
+            tf.profiler.experimental.stop()
+            return {**op_type_breakdown(logdir), "steps": count, "wall_ms": wall * 1e3}
+
+        profile = profiled(lambda: net.fit(data, steps_per_epoch=count, epochs=1, verbose=0))
         # The same for predict (the inference graph: folded batch norms).
         net.predict(inputs, steps=2, verbose=0)
-        logdir = tempfile.mkdtemp(prefix="tapehook_models_profile_predict_")
-        tf.profiler.experimental.start(logdir)
-        t0 = time.perf_counter()
-        net.predict(inputs, steps=cfg["profile"], verbose=0)
-        wall = time.perf_counter() - t0
-        tf.profiler.experimental.stop()
-        profile["predict"] = op_type_breakdown(logdir)
-        profile["predict"].update(steps=cfg["profile"], wall_ms=wall * 1e3)
+        profile["predict"] = profiled(lambda: net.predict(inputs, steps=count, verbose=0))
 
     warm, steps = cfg["predict_steps"]
     timer = Timer()
