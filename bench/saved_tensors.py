@@ -11,7 +11,8 @@ step keeps until that op runs. Their bytes per sample, by the layer that
 made them (bench/models.py's layer kinds) and by the op type that made them,
 are the step's saved set; the tensor peak is that set plus the backward's
 transients (the largest gradients alive at once). Not counted: the model's
-input (the data) and weights (held anyway). The larq 0.14 implementation
+input (the data) and weights (held anyway), and kept tensors whose size only
+the run decides (listed per row as "unsized": FusedBatchNormV3's workspace). The larq 0.14 implementation
 runs in another environment and is not traced here.
 """
 
@@ -36,17 +37,18 @@ NOT_SAVED = {"Const", "ReadVariableOp", "Placeholder", "VarHandleOp", "Shape"}
 
 def saved_set(graph, batch):
     """The forward tensors the backward of a traced training step reads:
-    [{tensor, producer, layers, bytes_per_sample}], forward ops being those
-    created before the tape's first gradient op, an Identity counted as the
-    tensor it forwards. Raises where a saved tensor's shape is not static
-    (its bytes would be unknown)."""
+    ([{tensor, producer, layers, bytes_per_sample}], [names of those whose
+    static shape is unknown, so not counted: e.g. FusedBatchNormV3's
+    reserve_space_3, a workspace the kernel sizes at run time]), forward ops
+    being those created before the tape's first gradient op, an Identity
+    counted as the tensor it forwards."""
     operations = graph.get_operations()
     first = next(
         (i for i, op in enumerate(operations) if op.name.startswith("gradient_tape")),
         len(operations),
     )
     forward = {op.name for op in operations[:first]}
-    saved = {}
+    saved, unsized = {}, set()
     for op in operations[first:]:
         for t in op.inputs:
             while t.op.type == "Identity" and t.op.name in forward:
@@ -55,14 +57,15 @@ def saved_set(graph, batch):
             if producer.name not in forward or producer.type in NOT_SAVED or t.name in saved:
                 continue
             if not t.shape.is_fully_defined():
-                raise ValueError(f"{t.name} ({producer.type}) is kept with a shape of {t.shape}")
+                unsized.add(t.name)
+                continue
             saved[t.name] = {
                 "tensor": t.name,
                 "producer": producer.type,
                 "layers": models._layer_kind(producer.name),
                 "bytes_per_sample": t.dtype.size * t.shape.num_elements() / batch,
             }
-    return sorted(saved.values(), key=lambda s: -s["bytes_per_sample"])
+    return sorted(saved.values(), key=lambda s: -s["bytes_per_sample"]), sorted(unsized)
 
 
 def trace_step(net, loss, optimizer, x, y):
@@ -100,7 +103,7 @@ def measure(model, impl, estimator, size, batch):
         tf.TensorSpec((batch, size, size, 3), tf.float32),
         tf.TensorSpec((batch,), tf.int64),
     )
-    tensors = saved_set(graph, batch)
+    tensors, unsized = saved_set(graph, batch)
     by_layers, by_producer = collections.Counter(), collections.Counter()
     for t in tensors:
         by_layers[t["layers"]] += t["bytes_per_sample"]
@@ -115,6 +118,7 @@ def measure(model, impl, estimator, size, batch):
         "by_layers": dict(by_layers.most_common()),
         "by_producer": dict(by_producer.most_common()),
         "largest": tensors[:12],
+        "unsized": unsized,
     }
 
 
@@ -128,14 +132,18 @@ def markdown(result):
             f"{model}, {rows[0]['size']} px, batch {rows[0]['batch']}: MiB per sample kept "
             "for the backward, by the layers that made them",
             "",
-            "| impl | input estimator | total | " + " | ".join(kinds) + " |",
-            "|---|---|---|" + "---|" * len(kinds),
+            "| impl | input estimator | total | "
+            + " | ".join(kinds)
+            + " | unsized (not counted) |",
+            "|---|---|---|" + "---|" * (len(kinds) + 1),
         ]
         for r in rows:
             cells = [f"{r['by_layers'].get(k, 0) / mib:.2f}" for k in kinds]
             lines.append(
                 f"| {r['impl']} | {r['estimator'] or '-'} "
-                f"| {r['bytes_per_sample'] / mib:.2f} | " + " | ".join(cells) + " |"
+                f"| {r['bytes_per_sample'] / mib:.2f} | "
+                + " | ".join(cells)
+                + f" | {len(r.get('unsized', []))} |"
             )
         lines.append("")
     return "\n".join(lines)
@@ -154,8 +162,10 @@ def main():
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     rows = []
     for model in args.models.split(","):
-        for impl in ("float", "float-fused", "larq-style", "tapehook", "tapehook-fused"):
-            estimators = [None] if impl in models.FLOAT_IMPLS else ["ste_sign", "approx_sign"]
+        for impl in (i for i in models.IMPLS if i != "larq"):  # larq: another environment
+            estimators = (
+                [None] if impl in models.FLOAT_IMPLS else models.RECIPES[model]["estimators"]
+            )
             for estimator in estimators:
                 rows.append(measure(model, impl, estimator, args.size, args.batch))
                 print(

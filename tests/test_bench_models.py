@@ -189,7 +189,8 @@ def test_saved_set_is_what_the_backward_reads():
         tf.TensorSpec((4, 5), tf.float32),
         tf.TensorSpec((4,), tf.int64),
     )
-    tensors = saved.saved_set(graph, 4)
+    tensors, unsized = saved.saved_set(graph, 4)
+    assert unsized == []
     arrays = {t["producer"]: t["bytes_per_sample"] for t in tensors if t["bytes_per_sample"] >= 4}
     assert arrays == {"Relu": 8 * 4, "SparseSoftmaxCrossEntropyWithLogits": 3 * 4}
     assert all(t["layers"] == "head" for t in tensors if t["producer"] == "Relu")
