@@ -194,3 +194,29 @@ def test_saved_set_is_what_the_backward_reads():
     arrays = {t["producer"]: t["bytes_per_sample"] for t in tensors if t["bytes_per_sample"] >= 4}
     assert arrays == {"Relu": 8 * 4, "SparseSoftmaxCrossEntropyWithLogits": 3 * 4}
     assert all(t["layers"] == "head" for t in tensors if t["producer"] == "Relu")
+
+
+def test_saved_set_lists_tensors_of_run_time_size():
+    """A fused batch norm keeps a workspace whose size only the run decides:
+    listed as unsized, not counted, and the rest still counted."""
+    spec = importlib.util.spec_from_file_location("bench_saved", _PATH.parent / "saved_tensors.py")
+    saved = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(saved)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((5,))
+    hidden = tapehook.layers.BatchNormalization()(keras.layers.Dense(8, name="head_hidden")(inputs))
+    net = keras.Model(inputs, keras.layers.Dense(3, name="head")(hidden))
+    optimizer = keras.optimizers.SGD(0.1)
+    optimizer.build(net.trainable_variables)
+    graph = saved.trace_step(
+        net,
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        optimizer,
+        tf.TensorSpec((4, 5), tf.float32),
+        tf.TensorSpec((4,), tf.int64),
+    )
+    tensors, unsized = saved.saved_set(graph, 4)
+    assert len(unsized) == 1 and "FusedBatchNormV3" in unsized[0]
+    assert {"FusedBatchNormV3", "SparseSoftmaxCrossEntropyWithLogits"} <= {
+        t["producer"] for t in tensors
+    }
