@@ -20,6 +20,9 @@ tests/test_bench_models.py checks the parameter counts agree):
 - ``float-fused`` / ``tapehook-fused``: ``float`` / ``tapehook`` with every batch
   norm ``tapehook.layers.BatchNormalization`` and ``tapehook.optimizers.Adam``
   (TF's fused kernels, as tf-keras trains with) instead of Keras 3's;
+- ``tapehook-recompute``: ``tapehook-fused`` with ``BatchNormalization(
+  recompute=True)``: the step keeps no binary conv's float output for its
+  batch norm, it rebuilds them in the backward;
 - ``larq``: ``lq.layers.QuantConv2D`` on tf-keras (TF_USE_LEGACY_KERAS=1), run
   with the python of a side environment (``--larq-python``; skipped when absent).
 
@@ -63,12 +66,22 @@ RECIPES = {
         estimators=("ste_sign", "approx_sign"), clip=1.25, scale=None, pad_value=1.0
     ),
 }
-IMPLS = ("float", "float-fused", "larq-style", "tapehook", "tapehook-fused", "larq")
+IMPLS = (
+    "float",
+    "float-fused",
+    "larq-style",
+    "tapehook",
+    "tapehook-fused",
+    "tapehook-recompute",
+    "larq",
+)
 # "-fused": the model's batch norms tapehook.layers.BatchNormalization and its
 # optimizer tapehook.optimizers.Adam (TF's fused ops, as tf-keras and so larq
-# 0.14 train with) instead of Keras 3's.
-FUSED_IMPLS = ("float-fused", "tapehook-fused")
-TAPEHOOK_IMPLS = ("tapehook", "tapehook-fused")
+# 0.14 train with) instead of Keras 3's. "tapehook-recompute": tapehook-fused
+# with BatchNormalization(recompute=True) (the binary convs' outputs rebuilt
+# in the backward instead of kept).
+FUSED_IMPLS = ("float-fused", "tapehook-fused", "tapehook-recompute")
+TAPEHOOK_IMPLS = ("tapehook", "tapehook-fused", "tapehook-recompute")
 FLOAT_IMPLS = ("float", "float-fused")
 
 
@@ -339,7 +352,11 @@ def build(K, model, impl, estimator, size, **kwargs):
     if impl in FUSED_IMPLS:
         import tapehook
 
-        kwargs.setdefault("batch_norm", tapehook.layers.BatchNormalization)
+        recompute = impl == "tapehook-recompute"
+        kwargs.setdefault(
+            "batch_norm",
+            lambda **kw: tapehook.layers.BatchNormalization(recompute=recompute, **kw),
+        )
     net = ARCHITECTURES[model](K, binary_conv_factory(K, impl, model, estimator), size, **kwargs)
     if impl in TAPEHOOK_IMPLS:
         import tapehook
@@ -855,7 +872,7 @@ def plot(rows, path):
         return
     labels = [
         f"{r['model'].replace('_small', '-s')}\n{r['size']}px b{r['batch']}\n"
-        f"{r['estimator']}{' fused' if r['impl'] in FUSED_IMPLS else ''}"
+        f"{r['estimator']}{r['impl'].removeprefix('tapehook').replace('-', ' ')}"
         for r in ours
     ]
     series = [
@@ -915,6 +932,13 @@ def main():
         "--no-tensor-memory",
         action="store_true",
         help="skip the tensor-peak runs (BFC allocator statistics, batch 1 and the largest)",
+    )
+    parser.add_argument(
+        "--tensor-repeats",
+        type=int,
+        default=1,
+        help="tensor-peak runs per configuration and batch (their median counts: the peak "
+        "moves with the executor's op order)",
     )
     parser.add_argument("--out", default=str(RESULTS / "models.json"))
     parser.add_argument(
@@ -1005,7 +1029,7 @@ def main():
                 if (model, size, impl, est) in seen:
                     continue
                 seen.add((model, size, impl, est))
-                for batch in (1, max(batches)):
+                for batch in [1, max(batches)] * args.tensor_repeats:
                     cfg = dict(
                         model=model,
                         impl=impl,

@@ -173,6 +173,36 @@ def fold_output_affine(y, affine):
     )
 
 
+def recompute_output(y):
+    """A function ``rebuild(after)`` that computes ``y`` again, bit for bit,
+    from what the backward of the binary conv that made it keeps anyway — its
+    packed sign / mask bits (ste_sign inputs, packing.py) or its input x —
+    and its filter, once the tensors ``after`` exist; None where ``y`` is not
+    the float32 output of a compiled binary forward in a graph on a machine
+    without GPUs. A caller that reads ``y`` in its own backward can read the
+    rebuilt one there instead, so the step need not keep ``y`` (one more
+    binary forward per step; docs/design.md, "Recomputed batch-norm inputs")."""
+    if tf.executing_eagerly() or not isinstance(y, tf.Tensor) or y.dtype != tf.float32:
+        return None
+    op = y.op
+    if op.type != kernels.BINARY_OP or tf.config.list_logical_devices("GPU"):
+        return None
+    packed = getattr(op, "_tapehook_packed_input", None)
+    x, w = op.inputs
+    attrs = kernels.binary_op_attrs(op)
+
+    def rebuild(after):
+        # The control dependency keeps the executor from running the rebuild
+        # as soon as its inputs exist (in the forward), which would keep its
+        # output as long as y.
+        with tf.control_dependencies(after):
+            # sign(x) as +-1: the forward binarizes it to the same bits.
+            source = packed.unpack()[0] if packed is not None else tf.identity(x)
+            return kernels.library().tapehook_binary_conv2d(source, w, **attrs)
+
+    return rebuild
+
+
 def conv2d(
     spec,
     input,

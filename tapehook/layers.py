@@ -32,6 +32,11 @@ def _float32_or(weight, default):
 _FLOAT_CONVS = ("Conv2D", "DepthwiseConv2dNative")
 
 
+def _conv_attrs(op):
+    """A stock conv op's attrs, to build the same op again (T inferred)."""
+    return {name: op.get_attr(name) for name in op.node_def.attr if name != "T"}
+
+
 def _is_channels_last(op, *types):
     """``op`` is one of ``types`` computing on NHWC tensors."""
     return op.type in types and op.get_attr("data_format") == b"NHWC"
@@ -65,7 +70,7 @@ def _fold_into_float_conv(y, affine):
     if kernel.shape.num_elements() > 2 * (y.shape[0] or 1) * per_sample:
         return None
     multiplier, offset = affine()
-    attrs = {name: op.get_attr(name) for name in op.node_def.attr if name != "T"}
+    attrs = _conv_attrs(op)
     if op.type == "Conv2D":
         scaled = kernel * multiplier
         out = tf.raw_ops.Conv2D(input=x, filter=scaled, **attrs)
@@ -73,6 +78,45 @@ def _fold_into_float_conv(y, affine):
         scaled = kernel * tf.reshape(multiplier, tf.shape(kernel)[2:])
         out = tf.raw_ops.DepthwiseConv2dNative(input=x, filter=scaled, **attrs)
     return tf.nn.bias_add(out, offset)
+
+
+def _recompute_float_conv(y):
+    """``rebuild(after)``: the NHWC Conv2D / DepthwiseConv2dNative that made
+    ``y`` run again on the same input and filter (which its own backward
+    keeps: dW reads x, dX the filter) once the tensors ``after`` exist; None
+    where ``y`` is not such a conv's float32 output in a graph. The control
+    dependency also keeps Grappler from merging the rerun with the forward."""
+    if tf.executing_eagerly() or y.dtype != tf.float32:
+        return None
+    op = y.op
+    if not _is_channels_last(op, *_FLOAT_CONVS):
+        return None
+    x, kernel = op.inputs
+    attrs = _conv_attrs(op)
+    conv = getattr(tf.raw_ops, op.type)
+
+    def rebuild(after):
+        with tf.control_dependencies(after):
+            return conv(input=x, filter=kernel, **attrs)
+
+    return rebuild
+
+
+def _fused_batch_norm(x, gamma, beta, epsilon):
+    """FusedBatchNormV3 of NHWC ``x`` in training mode (batch statistics):
+    output, batch mean, Bessel-corrected batch variance, reserve spaces."""
+    empty = tf.constant([], tf.float32)
+    return tf.raw_ops.FusedBatchNormV3(
+        x=x,
+        scale=gamma,
+        offset=beta,
+        mean=empty,
+        variance=empty,
+        epsilon=epsilon,
+        exponential_avg_factor=1.0,
+        data_format="NHWC",
+        is_training=True,
+    )
 
 
 @keras.saving.register_keras_serializable(package=_PACKAGE)
@@ -108,6 +152,21 @@ class BatchNormalization(keras.layers.BatchNormalization):
     ``tf.gradients`` of a folded graph is defined. Deploy exports are
     unaffected (their binary convs are stock ops).
 
+    ``recompute=True`` trades time for memory in training graphs
+    (``tf.function``, Keras ``fit``, ``tf.gradients``): where the input is
+    (the ReLU of, the bias added to) the float32 output of a convolution —
+    a compiled binary conv, or a stock NHWC ``Conv2D`` /
+    ``DepthwiseConv2dNative`` (a float stem, shortcut or transition) — the
+    backward does not keep that input (4 bytes per element, the largest
+    tensor a conv block keeps) but computes it again from what the conv's
+    own backward keeps anyway (a binary conv's packed input bits or input,
+    a float conv's input and filter): one more forward conv per layer and
+    step. The rebuilt input equals the kept one (bit for bit: the binary
+    forward is exact and the float one deterministic), so results are those
+    of ``recompute=False``. Elsewhere (other inputs, eager calls; binary
+    convs on machines with GPUs) the layer trains as with
+    ``recompute=False``.
+
     Results equal Keras's to float rounding: outputs and gradients (through
     the batch statistics), and the moving statistics updated as Keras does,
     ``moving * momentum + batch * (1 - momentum)`` with the *biased* batch
@@ -115,14 +174,24 @@ class BatchNormalization(keras.layers.BatchNormalization):
     keeps Keras 3's).
     """
 
-    def __init__(self, *args, fused=None, **kwargs):
+    def __init__(self, *args, fused=None, recompute=False, **kwargs):
         if fused not in (None, True, False):
             raise TapehookError(
                 f"BatchNormalization(fused={fused!r}): fused is None (fused where it "
                 "applies), True or False"
             )
+        if recompute not in (True, False):
+            raise TapehookError(
+                f"BatchNormalization(recompute={recompute!r}): recompute is True or False"
+            )
+        if recompute and fused is False:
+            raise TapehookError(
+                "BatchNormalization(recompute=True, fused=False): the recomputed input "
+                "is read by the fused batch norm's backward; pass fused=None or True"
+            )
         super().__init__(*args, **kwargs)
         self.fused = fused
+        self.recompute = recompute
         if fused:
             reason = self._config_reason()
             if reason:
@@ -228,6 +297,62 @@ class BatchNormalization(keras.layers.BatchNormalization):
                     return True
         return False
 
+    def _recomputed_batch_norm(self, inputs, gamma, beta):
+        """(output, batch mean, batch variance) of the fused batch norm of
+        ``inputs`` whose backward reads the input rebuilt from the binary conv
+        that made it (conv2d.recompute_output) instead of the kept one; None
+        where ``inputs`` is not (the ReLU of, the BiasAdd of) such a conv's
+        output."""
+        if tf.executing_eagerly() or inputs.dtype != tf.float32 or inputs.shape.rank != 4:
+            return None
+        u, relu = inputs, False
+        if u.op.type == "Relu":
+            u, relu = u.op.inputs[0], True
+        y, bias = u, None
+        if _is_channels_last(y.op, "BiasAdd"):
+            y, bias = y.op.inputs
+        rebuild_conv = conv2d.recompute_output(y) or _recompute_float_conv(y)
+        if rebuild_conv is None:
+            return None
+
+        def rebuild(after):
+            rebuilt = rebuild_conv(after)
+            return rebuilt if bias is None else tf.nn.bias_add(rebuilt, bias)
+
+        epsilon, stats = self.epsilon, []
+
+        @tf.custom_gradient
+        def batch_norm(u, gamma, beta):
+            x = tf.nn.relu(u) if relu else u
+            out, mean, variance, *reserve = _fused_batch_norm(x, gamma, beta, epsilon)
+            stats.extend([mean, variance])
+
+            def grad(d_out):
+                # What FusedBatchNormV3's registered gradient computes, on the
+                # rebuilt input (equal to x bit for bit).
+                x2 = rebuild([d_out])
+                if relu:
+                    x2 = tf.nn.relu(x2)
+                dx, dgamma, dbeta, _, _ = tf.raw_ops.FusedBatchNormGradV3(
+                    y_backprop=d_out,
+                    x=x2,
+                    scale=gamma,
+                    reserve_space_1=reserve[0],
+                    reserve_space_2=reserve[1],
+                    reserve_space_3=reserve[2],
+                    epsilon=epsilon,
+                    data_format="NHWC",
+                    is_training=True,
+                )
+                if relu:
+                    dx = tf.raw_ops.ReluGrad(gradients=dx, features=x2)
+                return dx, dgamma, dbeta
+
+            return out, grad
+
+        out = batch_norm(u, gamma, beta)
+        return out, stats[0], stats[1]
+
     def _inference_affine(self):
         """Keras's inference transform x * a + b: (a, b) as
         tf.nn.batch_normalization computes them."""
@@ -256,18 +381,13 @@ class BatchNormalization(keras.layers.BatchNormalization):
             x4 = tf.reshape(x, [shape[0], shape[1] * shape[2], shape[3], channels])
         else:
             x4 = x
-        empty = tf.constant([], tf.float32)
-        y, mean, variance, _, _, _ = tf.raw_ops.FusedBatchNormV3(
-            x=x4,
-            scale=_float32_or(self.gamma, tf.ones([channels])),
-            offset=_float32_or(self.beta, tf.zeros([channels])),
-            mean=empty,
-            variance=empty,
-            epsilon=self.epsilon,
-            exponential_avg_factor=1.0,
-            data_format="NHWC",
-            is_training=True,
-        )
+        gamma = _float32_or(self.gamma, tf.ones([channels]))
+        beta = _float32_or(self.beta, tf.zeros([channels]))
+        recomputed = self._recomputed_batch_norm(inputs, gamma, beta) if self.recompute else None
+        if recomputed is not None:
+            y, mean, variance = recomputed
+        else:
+            y, mean, variance, _, _, _ = _fused_batch_norm(x4, gamma, beta, self.epsilon)
         # The op returns the Bessel-corrected variance, n / max(n - 1, 1)
         # times the biased one it normalizes with; Keras's moving variance
         # averages the biased one.
@@ -283,4 +403,4 @@ class BatchNormalization(keras.layers.BatchNormalization):
         return tf.cast(y, self.compute_dtype)
 
     def get_config(self):
-        return {**super().get_config(), "fused": self.fused}
+        return {**super().get_config(), "fused": self.fused, "recompute": self.recompute}

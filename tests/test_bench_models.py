@@ -129,8 +129,10 @@ def test_tapehook_runs_binary_kernels_and_matches_larq_style(model, estimator, i
     tapehook.reset_dispatch_counts()
     loss_ours = ours.fit(x, y, epochs=1, verbose=0).history["loss"][0]
     counts = tapehook.dispatch_counts()
+    # tapehook-recompute's batch norms run each binary forward again in the
+    # backward (tapehook.layers.BatchNormalization(recompute=True)).
     assert counts["compiled"] == {
-        "forward": convs,
+        "forward": convs * (2 if impl == "tapehook-recompute" else 1),
         "backprop_input": convs,
         "backprop_filter": convs,
     }

@@ -587,3 +587,198 @@ def test_deploy_graphs_keep_their_batch_norms_on_binary_convs(tmp_path):
         )
         reports.append(report)
     assert sorted(reports[0]["ops"]) == sorted(reports[1]["ops"])
+
+
+# ---------------------------------------------------------------------------
+# recompute=True: the training backward rebuilds the binary conv's output
+# (conv2d.recompute_output) instead of keeping it.
+
+RECOMPUTE_SPECS = {
+    "mean_abs": dict(activations=True, scale="mean_abs"),  # packed ste_sign bits
+    "approx_sign": dict(activations="approx_sign"),  # rebuilt from the kept x
+    "one_padding": dict(activations=True, pad_value=1.0, clip=1.25),
+}
+
+
+def _recompute_net(activation, spec, recompute, norm=None):
+    """_conv_bn's binary conv + batch norm (no second reader), its batch norm
+    tapehook's with ``recompute`` (or ``norm``)."""
+    use_bias = activation == "bias"
+    return _conv_bn(
+        None if use_bias else activation,
+        norm=norm or (lambda **kw: BatchNormalization(recompute=recompute, **kw)),
+        use_bias=use_bias,
+        spec=RECOMPUTE_SPECS[spec],
+    )
+
+
+def _training_step(net, mode):
+    """Output, gradients (x, then trainable weights) and moving statistics
+    of one training call: eager tape, tf.function tape, or tf.gradients in a
+    tf.function (no tape); and the traced graph (None eagerly)."""
+    norm = net.layers[2]
+
+    def step(x):
+        if mode == "gradients":
+            y = net(x, training=True)
+            grads = tf.gradients(tf.reduce_sum(y * tf.sin(y + 0.3)), [x, *net.trainable_variables])
+        else:
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = net(x, training=True)
+                loss = tf.reduce_sum(y * tf.sin(y + 0.3))
+            grads = tape.gradient(loss, [x, *net.trainable_variables])
+        return [y, *grads, tf.identity(norm.moving_mean), tf.identity(norm.moving_variance)]
+
+    x = _inputs((3, *net.inputs[0].shape[1:]))
+    if mode == "eager":
+        return [t.numpy() for t in step(x)], None
+    fn = tf.function(step)
+    return [t.numpy() for t in fn(x)], fn.get_concrete_function(x).graph
+
+
+def _backward_reads_forward_conv_output(graph, conv="TapehookBinaryConv2D"):
+    """Whether an op of the backward (under a gradient name scope) reads the
+    output of a forward ``conv``, directly or through its BiasAdd / Relu."""
+    backward = ("gradients", "gradient_tape")
+    for op in graph.get_operations():
+        if op.type != conv or op.name.startswith(backward):
+            continue
+        tensors = list(op.outputs)
+        while tensors:
+            for reader in tensors.pop().consumers():
+                if reader.name.startswith(backward) or "/gradients/" in reader.name:
+                    return True
+                if reader.type in ("BiasAdd", "Relu", "Identity"):
+                    tensors.extend(reader.outputs)
+    return False
+
+
+def _batch_norm_inputs(net):
+    """In one tf.gradients graph of a training call: the forward batch norm's
+    input and the one its backward (FusedBatchNormGradV3) reads."""
+
+    @tf.function
+    def step(x):
+        y = net(x, training=True)
+        tf.gradients(tf.reduce_sum(y * y), net.trainable_variables)
+        ops = tf.compat.v1.get_default_graph().get_operations()
+        forward = [op for op in ops if op.type == "FusedBatchNormV3"]
+        backward = [op for op in ops if op.type == "FusedBatchNormGradV3"]
+        assert len(forward) == len(backward) == 1
+        return forward[0].inputs[0], backward[0].inputs[1]
+
+    return [t.numpy() for t in step(_inputs((3, *net.inputs[0].shape[1:])))]
+
+
+@pytest.mark.parametrize("mode", ["eager", "function", "gradients"])
+@pytest.mark.parametrize("activation", [None, "relu", "bias"])
+@pytest.mark.parametrize("spec", list(RECOMPUTE_SPECS))
+def test_recompute_matches_kept_input(spec, activation, mode):
+    """The backward reads a rebuilt conv output (not the forward's) equal to
+    it bit for bit; outputs, gradients and moving statistics those of
+    recompute=False (to the graph's own float reordering) and of Keras's
+    batch norm (to float rounding)."""
+    got, graph = _training_step(_recompute_net(activation, spec, True), mode)
+    kept, kept_graph = _training_step(_recompute_net(activation, spec, False), mode)
+    keras_bn, _ = _training_step(
+        _recompute_net(activation, spec, False, norm=keras.layers.BatchNormalization), mode
+    )
+    assert len(got) == len(kept) == len(keras_bn)
+    for a, b, c in zip(got, kept, keras_bn):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-3)
+    if mode == "eager":
+        np.testing.assert_array_equal(got[0], kept[0])
+        return  # eager calls keep the input (no graph to rebuild it in)
+    types = [op.type for op in graph.get_operations()]
+    assert types.count("TapehookBinaryConv2D") == 2  # the forward and its rebuild
+    assert [op.type for op in kept_graph.get_operations()].count("TapehookBinaryConv2D") == 1
+    assert ("TapehookUnpackInput" in types) == (spec != "approx_sign")
+    assert _backward_reads_forward_conv_output(kept_graph)
+    assert not _backward_reads_forward_conv_output(graph)
+    if mode == "gradients":
+        forward, rebuilt = _batch_norm_inputs(_recompute_net(activation, spec, True))
+        np.testing.assert_array_equal(rebuilt, forward)
+
+
+def test_recompute_fit_and_config(tmp_path):
+    """Keras fit (two SGD steps) with recompute=True ends at the same weights
+    as recompute=False; the .keras round trip keeps the setting."""
+    x = _inputs((6, 9, 9, 70)).numpy()
+    y = np.random.default_rng(2).standard_normal((6, 9, 9, 40)).astype(np.float32)
+    weights = {}
+    for recompute in (False, True):
+        net = _recompute_net("relu", "one_padding", recompute)
+        net.compile(keras.optimizers.SGD(0.05), "mse", jit_compile=False)
+        net.fit(x, y, batch_size=3, epochs=1, shuffle=False, verbose=0)
+        weights[recompute] = net.get_weights()
+    for a, b in zip(weights[True], weights[False]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    path = tmp_path / "net.keras"
+    net.save(path)
+    norm = keras.models.load_model(path).layers[2]
+    assert type(norm) is BatchNormalization and norm.recompute is True
+
+
+@pytest.mark.parametrize("mode", ["function", "gradients"])
+@pytest.mark.parametrize("kind", ["conv_strided", "conv_bias", "pointwise", "depthwise_bias"])
+def test_recompute_after_float_conv(kind, mode):
+    """After a stock float conv the backward reads the conv rerun on its
+    input and filter, equal to the forward's output bit for bit; results
+    those of recompute=False and of Keras's batch norm."""
+    conv = "DepthwiseConv2dNative" if kind.startswith("depthwise") else "Conv2D"
+
+    def net(recompute, norm=None):
+        return _float_conv_bn(
+            kind, norm=norm or (lambda **kw: BatchNormalization(recompute=recompute, **kw))
+        )
+
+    got, graph = _training_step(net(True), mode)
+    kept, kept_graph = _training_step(net(False), mode)
+    keras_bn, _ = _training_step(net(False, keras.layers.BatchNormalization), mode)
+    for a, b, c in zip(got, kept, keras_bn):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-3)
+    assert [op.type for op in graph.get_operations()].count(conv) == 2
+    assert [op.type for op in kept_graph.get_operations()].count(conv) == 1
+    assert _backward_reads_forward_conv_output(kept_graph, conv)
+    assert not _backward_reads_forward_conv_output(graph, conv)
+    if mode == "gradients":
+        forward, rebuilt = _batch_norm_inputs(net(True))
+        np.testing.assert_array_equal(rebuilt, forward)
+
+
+def test_recompute_elsewhere_is_the_fused_layer():
+    """Where the input is no conv's output (here a sum) recompute=True trains
+    as recompute=False: the same graph ops, the same results."""
+    x = _inputs((3, 9, 9, 70))
+    results, op_types = [], []
+    for recompute in (False, True):
+        keras.utils.set_random_seed(7)
+        inputs = keras.Input((9, 9, 70))
+        z = keras.layers.Conv2D(40, 3, padding="same")(inputs)
+        z = keras.layers.Add()([z, z])
+        net = keras.Model(inputs, BatchNormalization(recompute=recompute)(z))
+
+        @tf.function
+        def step(x, net=net):
+            with tf.GradientTape() as tape:
+                y = net(x, training=True)
+                loss = tf.reduce_sum(y * tf.sin(y))
+            return [y, *tape.gradient(loss, net.trainable_variables)]
+
+        results.append([t.numpy() for t in step(x)])
+        op_types.append(
+            sorted(op.type for op in step.get_concrete_function(x).graph.get_operations())
+        )
+    assert op_types[0] == op_types[1]
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_recompute_bad_values():
+    with pytest.raises(tapehook.TapehookError, match="recompute is True or False"):
+        BatchNormalization(recompute="yes")
+    with pytest.raises(tapehook.TapehookError, match="pass fused=None or True"):
+        BatchNormalization(recompute=True, fused=False)
