@@ -251,6 +251,8 @@ def mirrored_variants():
     return {
         "keras": lambda: build(keras.layers.BatchNormalization),
         "ours": lambda: build(BatchNormalization),
+        # Its first batch norm reruns the conv before it in the backward.
+        "recompute": lambda: build(lambda **kw: BatchNormalization(recompute=True, **kw)),
     }
 
 
@@ -258,11 +260,13 @@ def mirrored_variants():
 def test_mirrored_strategy_matches_keras():
     """fit under MirroredStrategy (2 logical CPUs, per-replica batch
     statistics as Keras's synchronized=False): the same weights and moving
-    statistics as Keras's layer under the same strategy."""
+    statistics as Keras's layer under the same strategy, with and without
+    recompute."""
     out = fit_mirrored("test_layers")
-    assert len(out["ours"]) == len(out["keras"]) == 10
-    for a, b in zip(out["ours"], out["keras"]):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert len(out["ours"]) == len(out["recompute"]) == len(out["keras"]) == 10
+    for a, b, c in zip(out["ours"], out["recompute"], out["keras"]):
+        np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(b, c, rtol=1e-4, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------
