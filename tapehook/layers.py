@@ -299,10 +299,10 @@ class BatchNormalization(keras.layers.BatchNormalization):
 
     def _recomputed_batch_norm(self, inputs, gamma, beta):
         """(output, batch mean, batch variance) of the fused batch norm of
-        ``inputs`` whose backward reads the input rebuilt from the binary conv
-        that made it (conv2d.recompute_output) instead of the kept one; None
-        where ``inputs`` is not (the ReLU of, the BiasAdd of) such a conv's
-        output."""
+        ``inputs`` whose backward reads the input rebuilt from the conv that
+        made it (a binary one: conv2d.recompute_output; a float one:
+        _recompute_float_conv) instead of the kept one; None where ``inputs``
+        is not (the ReLU of, the BiasAdd of) such a conv's output."""
         if tf.executing_eagerly() or inputs.dtype != tf.float32 or inputs.shape.rank != 4:
             return None
         u, relu = inputs, False
