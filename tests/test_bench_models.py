@@ -170,18 +170,16 @@ def test_profile_breakdown_names_tapehook_ops(tmp_path):
     assert abs(sum(r["share"] for r in profile["top"]) - 1) < 1e-6 or profile["all_types"] > 25
 
 
-def test_saved_set_is_what_the_backward_reads():
-    """bench/saved_tensors.py on a model whose backward is known by hand:
-    Dense-ReLU-Dense under a from-logits cross entropy keeps the ReLU's output
-    (ReluGrad and the second MatMul's dW read it) and the cross entropy's
-    backprop output; the input and the weights are not counted."""
+def _saved_set_of_head(hidden):
+    """bench/saved_tensors.py's saved_set (tensors, unsized) of one traced
+    training step (SGD, from-logits cross entropy, batch 4) of a model
+    ``Dense(3)(hidden(Input((5,))))``."""
     spec = importlib.util.spec_from_file_location("bench_saved", _PATH.parent / "saved_tensors.py")
     saved = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(saved)
     keras.utils.set_random_seed(0)
     inputs = keras.Input((5,))
-    hidden = keras.layers.Dense(8, activation="relu", name="head_hidden")(inputs)
-    net = keras.Model(inputs, keras.layers.Dense(3, name="head")(hidden))
+    net = keras.Model(inputs, keras.layers.Dense(3, name="head")(hidden(inputs)))
     optimizer = keras.optimizers.SGD(0.1)
     optimizer.build(net.trainable_variables)
     graph = saved.trace_step(
@@ -191,7 +189,17 @@ def test_saved_set_is_what_the_backward_reads():
         tf.TensorSpec((4, 5), tf.float32),
         tf.TensorSpec((4,), tf.int64),
     )
-    tensors, unsized = saved.saved_set(graph, 4)
+    return saved.saved_set(graph, 4)
+
+
+def test_saved_set_is_what_the_backward_reads():
+    """bench/saved_tensors.py on a model whose backward is known by hand:
+    Dense-ReLU-Dense under a from-logits cross entropy keeps the ReLU's output
+    (ReluGrad and the second MatMul's dW read it) and the cross entropy's
+    backprop output; the input and the weights are not counted."""
+    tensors, unsized = _saved_set_of_head(
+        lambda inputs: keras.layers.Dense(8, activation="relu", name="head_hidden")(inputs)
+    )
     assert unsized == []
     arrays = {t["producer"]: t["bytes_per_sample"] for t in tensors if t["bytes_per_sample"] >= 4}
     assert arrays == {"Relu": 8 * 4, "SparseSoftmaxCrossEntropyWithLogits": 3 * 4}
@@ -201,23 +209,11 @@ def test_saved_set_is_what_the_backward_reads():
 def test_saved_set_lists_tensors_of_run_time_size():
     """A fused batch norm keeps a workspace whose size only the run decides:
     listed as unsized, not counted, and the rest still counted."""
-    spec = importlib.util.spec_from_file_location("bench_saved", _PATH.parent / "saved_tensors.py")
-    saved = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(saved)
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((5,))
-    hidden = tapehook.layers.BatchNormalization()(keras.layers.Dense(8, name="head_hidden")(inputs))
-    net = keras.Model(inputs, keras.layers.Dense(3, name="head")(hidden))
-    optimizer = keras.optimizers.SGD(0.1)
-    optimizer.build(net.trainable_variables)
-    graph = saved.trace_step(
-        net,
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        optimizer,
-        tf.TensorSpec((4, 5), tf.float32),
-        tf.TensorSpec((4,), tf.int64),
+    tensors, unsized = _saved_set_of_head(
+        lambda inputs: tapehook.layers.BatchNormalization()(
+            keras.layers.Dense(8, name="head_hidden")(inputs)
+        )
     )
-    tensors, unsized = saved.saved_set(graph, 4)
     assert len(unsized) == 1 and "FusedBatchNormV3" in unsized[0]
     assert {"FusedBatchNormV3", "SparseSoftmaxCrossEntropyWithLogits"} <= {
         t["producer"] for t in tensors

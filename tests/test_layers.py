@@ -675,6 +675,33 @@ def _batch_norm_inputs(net):
     return [t.numpy() for t in step(_inputs((3, *net.inputs[0].shape[1:])))]
 
 
+def _check_recompute(build, mode, conv):
+    """One training call of ``build(recompute, norm=None)``'s net with
+    recompute=True against recompute=False (to the graph's own float
+    reordering) and Keras's batch norm (to float rounding); in graphs, that
+    the backward reads a rerun ``conv`` (not the forward's output) and, with
+    tf.gradients, that the rebuilt input equals the kept one bit for bit.
+    Returns the recompute graph (None eagerly)."""
+    got, graph = _training_step(build(True), mode)
+    kept, kept_graph = _training_step(build(False), mode)
+    keras_bn, _ = _training_step(build(False, keras.layers.BatchNormalization), mode)
+    assert len(got) == len(kept) == len(keras_bn)
+    for a, b, c in zip(got, kept, keras_bn):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-3)
+    if mode == "eager":
+        np.testing.assert_array_equal(got[0], kept[0])
+        return None  # eager calls keep the input (no graph to rebuild it in)
+    assert [op.type for op in graph.get_operations()].count(conv) == 2  # forward, rerun
+    assert [op.type for op in kept_graph.get_operations()].count(conv) == 1
+    assert _backward_reads_forward_conv_output(kept_graph, conv)
+    assert not _backward_reads_forward_conv_output(graph, conv)
+    if mode == "gradients":
+        forward, rebuilt = _batch_norm_inputs(build(True))
+        np.testing.assert_array_equal(rebuilt, forward)
+    return graph
+
+
 @pytest.mark.parametrize("mode", ["eager", "function", "gradients"])
 @pytest.mark.parametrize("activation", [None, "relu", "bias"])
 @pytest.mark.parametrize("spec", list(RECOMPUTE_SPECS))
@@ -683,27 +710,14 @@ def test_recompute_matches_kept_input(spec, activation, mode):
     it bit for bit; outputs, gradients and moving statistics those of
     recompute=False (to the graph's own float reordering) and of Keras's
     batch norm (to float rounding)."""
-    got, graph = _training_step(_recompute_net(activation, spec, True), mode)
-    kept, kept_graph = _training_step(_recompute_net(activation, spec, False), mode)
-    keras_bn, _ = _training_step(
-        _recompute_net(activation, spec, False, norm=keras.layers.BatchNormalization), mode
+    graph = _check_recompute(
+        lambda recompute, norm=None: _recompute_net(activation, spec, recompute, norm),
+        mode,
+        "TapehookBinaryConv2D",
     )
-    assert len(got) == len(kept) == len(keras_bn)
-    for a, b, c in zip(got, kept, keras_bn):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-3)
-    if mode == "eager":
-        np.testing.assert_array_equal(got[0], kept[0])
-        return  # eager calls keep the input (no graph to rebuild it in)
-    types = [op.type for op in graph.get_operations()]
-    assert types.count("TapehookBinaryConv2D") == 2  # the forward and its rebuild
-    assert [op.type for op in kept_graph.get_operations()].count("TapehookBinaryConv2D") == 1
-    assert ("TapehookUnpackInput" in types) == (spec != "approx_sign")
-    assert _backward_reads_forward_conv_output(kept_graph)
-    assert not _backward_reads_forward_conv_output(graph)
-    if mode == "gradients":
-        forward, rebuilt = _batch_norm_inputs(_recompute_net(activation, spec, True))
-        np.testing.assert_array_equal(rebuilt, forward)
+    if graph is not None:
+        types = [op.type for op in graph.get_operations()]
+        assert ("TapehookUnpackInput" in types) == (spec != "approx_sign")
 
 
 def test_recompute_fit_and_config(tmp_path):
@@ -738,19 +752,7 @@ def test_recompute_after_float_conv(kind, mode):
             kind, norm=norm or (lambda **kw: BatchNormalization(recompute=recompute, **kw))
         )
 
-    got, graph = _training_step(net(True), mode)
-    kept, kept_graph = _training_step(net(False), mode)
-    keras_bn, _ = _training_step(net(False, keras.layers.BatchNormalization), mode)
-    for a, b, c in zip(got, kept, keras_bn):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-3)
-    assert [op.type for op in graph.get_operations()].count(conv) == 2
-    assert [op.type for op in kept_graph.get_operations()].count(conv) == 1
-    assert _backward_reads_forward_conv_output(kept_graph, conv)
-    assert not _backward_reads_forward_conv_output(graph, conv)
-    if mode == "gradients":
-        forward, rebuilt = _batch_norm_inputs(net(True))
-        np.testing.assert_array_equal(rebuilt, forward)
+    _check_recompute(net, mode, conv)
 
 
 def test_recompute_elsewhere_is_the_fused_layer():
