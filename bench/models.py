@@ -21,8 +21,9 @@ tests/test_bench_models.py checks the parameter counts agree):
   norm ``tapehook.layers.BatchNormalization`` and ``tapehook.optimizers.Adam``
   (TF's fused kernels, as tf-keras trains with) instead of Keras 3's;
 - ``tapehook-recompute``: ``tapehook-fused`` with ``BatchNormalization(
-  recompute=True)``: the step keeps no binary conv's float output for its
-  batch norm, it rebuilds them in the backward;
+  recompute=True)`` and ``tapehook.layers.MaxPooling2D``: the step keeps no
+  conv's float output for its batch norm (it rebuilds them in the backward)
+  and its max pools keep their argmax instead of their float input and output;
 - ``larq``: ``lq.layers.QuantConv2D`` on tf-keras (TF_USE_LEGACY_KERAS=1), run
   with the python of a side environment (``--larq-python``; skipped when absent).
 
@@ -78,8 +79,8 @@ IMPLS = (
 # "-fused": the model's batch norms tapehook.layers.BatchNormalization and its
 # optimizer tapehook.optimizers.Adam (TF's fused ops, as tf-keras and so larq
 # 0.14 train with) instead of Keras 3's. "tapehook-recompute": tapehook-fused
-# with BatchNormalization(recompute=True) (the binary convs' outputs rebuilt
-# in the backward instead of kept).
+# with BatchNormalization(recompute=True) (the convs' outputs rebuilt in the
+# backward instead of kept) and tapehook.layers.MaxPooling2D (argmax kept).
 FUSED_IMPLS = ("float-fused", "tapehook-fused", "tapehook-recompute")
 TAPEHOOK_IMPLS = ("tapehook", "tapehook-fused", "tapehook-recompute")
 FLOAT_IMPLS = ("float", "float-fused")
@@ -92,13 +93,14 @@ FLOAT_IMPLS = ("float", "float-fused")
 # with "binary" (tapehook.binarize(include="binary*")).
 
 
-def birealnet18(K, binary_conv, size, classes=CLASSES, filters=64, batch_norm=None):
+def birealnet18(K, binary_conv, size, classes=CLASSES, filters=64, batch_norm=None, max_pool=None):
     """Bi-Real-Net-18 (Liu et al. 2018, larq-zoo): float 7x7 stem, 16 binary
     3x3 convs each with BN and a float shortcut (on downsampling: 2x2 average
-    pool, 1x1 conv, BN), global average pool, float classifier. ``batch_norm``:
-    the BN layer class (default Keras's)."""
+    pool, 1x1 conv, BN), global average pool, float classifier. ``batch_norm``
+    / ``max_pool``: the BN / max-pool layer classes (default Keras's)."""
     L = K.layers
     BN = batch_norm or L.BatchNormalization
+    MaxPool = max_pool or L.MaxPooling2D
     inputs = K.Input((size, size, 3))
     x = L.Conv2D(
         filters,
@@ -110,7 +112,7 @@ def birealnet18(K, binary_conv, size, classes=CLASSES, filters=64, batch_norm=No
         name="stem",
     )(inputs)
     x = BN(momentum=0.8)(x)
-    x = L.MaxPooling2D(3, strides=2, padding="same")(x)
+    x = MaxPool(3, strides=2, padding="same")(x)
     widths = [filters] * 4 + [2 * filters] * 4 + [4 * filters] * 4 + [8 * filters] * 4
     for i, width in enumerate(widths):
         shortcut = x
@@ -147,15 +149,18 @@ def quicknet_small(
     filters=(32, 64, 256, 512),
     blocks=(4, 4, 4, 4),
     batch_norm=None,
+    max_pool=None,
 ):
     """QuickNet-small (larq-zoo, v1.0): stem (3x3/2 conv, BN, ReLU, 3x3/2
     depthwise, BN, 1x1 conv, BN); per section, a float transition where the
     width changes (ReLU, 2x2 max pool stride 1, fixed blur-pool depthwise
     3x3/2, 1x1 conv, BN), then residual blocks x + BN(ReLU(binary 3x3 conv
     padded with +1 (x))); ReLU, global average pool, float classifier.
-    ``batch_norm``: the BN layer class (default Keras's)."""
+    ``batch_norm`` / ``max_pool``: the BN / max-pool layer classes (default
+    Keras's)."""
     L = K.layers
     BN = batch_norm or L.BatchNormalization
+    MaxPool = max_pool or L.MaxPooling2D
     inputs = K.Input((size, size, 3))
     x = L.Conv2D(
         filters[0] // 4,
@@ -180,7 +185,7 @@ def quicknet_small(
             if width != x.shape[-1]:
                 strides = 1 if section == 0 or layer != 0 else 2
                 x = L.ReLU()(x)
-                x = L.MaxPooling2D(pool_size=strides, strides=1)(x)
+                x = MaxPool(pool_size=strides, strides=1)(x)
                 x = L.DepthwiseConv2D(
                     3,
                     strides=strides,
@@ -357,6 +362,8 @@ def build(K, model, impl, estimator, size, **kwargs):
             "batch_norm",
             lambda **kw: tapehook.layers.BatchNormalization(recompute=recompute, **kw),
         )
+        if recompute:  # the memory configuration: its max pools keep their argmax
+            kwargs.setdefault("max_pool", tapehook.layers.MaxPooling2D)
     net = ARCHITECTURES[model](K, binary_conv_factory(K, impl, model, estimator), size, **kwargs)
     if impl in TAPEHOOK_IMPLS:
         import tapehook

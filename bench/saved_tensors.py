@@ -7,7 +7,9 @@ The tensor peak of bench/models.py says how much a step holds; this says
 what. It traces one training step (a GradientTape over the model, the loss,
 the gradients) of each implementation in bench/models.py as a graph, with no
 run: every tensor the forward computes and a backward op reads is one the
-step keeps until that op runs. Their bytes per sample, by the layer that
+step keeps until that op runs (backward ops whose results nothing uses, such
+as the filter gradient of a frozen conv, are pruned by TF at run time and
+not counted). Their bytes per sample, by the layer that
 made them (bench/models.py's layer kinds) and by the op type that made them,
 are the step's saved set; the tensor peak is that set plus the backward's
 transients (the largest gradients alive at once). Not counted: the model's
@@ -48,8 +50,11 @@ def saved_set(graph, batch):
         len(operations),
     )
     forward = {op.name for op in operations[:first]}
+    live = _live_ops(graph)
     saved, unsized = {}, set()
     for op in operations[first:]:
+        if op.name not in live:
+            continue  # a dead backward op (e.g. dW of a frozen filter): pruned at run time
         for t in op.inputs:
             while t.op.type == "Identity" and t.op.name in forward:
                 t = t.op.inputs[0]
@@ -66,6 +71,24 @@ def saved_set(graph, batch):
                 "bytes_per_sample": t.dtype.size * t.shape.num_elements() / batch,
             }
     return sorted(saved.values(), key=lambda s: -s["bytes_per_sample"]), sorted(unsized)
+
+
+def _live_ops(graph):
+    """Names of the ops a run of the traced function executes: those its
+    outputs or its stateful ops (the weight updates) depend on, as TF's
+    function runtime prunes the rest (PruneFunctionBody)."""
+    ops = graph.get_operations()
+    todo = [t.op for t in graph.outputs] + [op for op in ops if op._is_stateful]
+    todo += list(getattr(graph, "control_outputs", ()))
+    live = set()
+    while todo:
+        op = todo.pop()
+        if op.name in live:
+            continue
+        live.add(op.name)
+        todo.extend(t.op for t in op.inputs)
+        todo.extend(op.control_inputs)
+    return live
 
 
 def trace_step(net, loss, optimizer, x, y):

@@ -9,12 +9,17 @@ tf-keras, and so larq, trained on the fused op; Keras 3 does not. In a binary
 network a batch norm follows every binary conv, and Keras 3's is the largest
 float cost of a training step around the binary kernels
 (docs/models_perf.md). Opt-in: Keras's own layer is never changed.
+
+``MaxPooling2D`` is Keras 3's layer whose training calls keep the position
+of each window's maximum for the backward instead of the pool's float input
+and output (the stem pool of Bi-Real-Net and ResNets keeps 5x less).
 """
 
 import keras
 import tensorflow as tf
 
 from tapehook import conv2d
+from tapehook.compat import control_flow_util, ops
 from tapehook.errors import TapehookError
 
 _PACKAGE = "tapehook"
@@ -404,3 +409,87 @@ class BatchNormalization(keras.layers.BatchNormalization):
 
     def get_config(self):
         return {**super().get_config(), "fused": self.fused, "recompute": self.recompute}
+
+
+# MaxPoolWithArgmax's input types.
+_ARGMAX_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+
+
+def _max_pool_keeping_argmax(x, ksize, strides, padding):
+    """NHWC max pool of ``x`` whose backward keeps the position of each
+    window's maximum (int32 where one image has fewer than 2**31 elements)
+    instead of the pool's input and output, which stock MaxPoolGrad reads.
+    The same output and gradient as tf.nn.max_pool2d's (the first maximum
+    of a window in row-major order gets its gradient, as in MaxPoolGrad)."""
+    ksize = [1, *ksize, 1]
+    strides = [1, *strides, 1]
+    per_image = x.shape[1:].num_elements()
+    index_dtype = tf.int32 if per_image is not None and per_image < 2**31 else tf.int64
+
+    @tf.custom_gradient
+    def pool(x):
+        y, argmax = tf.nn.max_pool_with_argmax(
+            x, ksize, strides, padding, include_batch_in_index=False
+        )
+        kept, shape = tf.cast(argmax, index_dtype), tf.shape(x)
+
+        def grad(dy):
+            # MaxPoolGradWithArgmax reads only its input's shape.
+            return tf.raw_ops.MaxPoolGradWithArgmax(
+                input=tf.zeros(shape, dy.dtype),
+                grad=dy,
+                argmax=tf.cast(kept, tf.int64),
+                ksize=ksize,
+                strides=strides,
+                padding=padding,
+                include_batch_in_index=False,
+            )
+
+        return y, grad
+
+    return pool(x)
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class MaxPooling2D(keras.layers.MaxPooling2D):
+    """``keras.layers.MaxPooling2D`` whose training calls keep less for the
+    backward.
+
+    Takes every argument of Keras 3's layer, plus ``save_argmax``. With
+    ``save_argmax=True`` (default), a training call (``training=True``:
+    Keras ``fit``, or ``model(x, training=True)`` under a tape) on a
+    channels-last input runs TensorFlow's MaxPoolWithArgmax and its backward
+    keeps one int32 index per *output* element (where in the image the
+    window's maximum was) instead of the pool's float input and output that
+    stock MaxPoolGrad reads: for a 3x3 / stride 2 pool (Bi-Real-Net's and
+    ResNet's stem), 4 bytes per output element instead of 20. Outputs and
+    gradients equal the stock layer's bit for bit (ties included: the first
+    maximum of a window in row-major order gets the gradient, as in
+    MaxPoolGrad). Inference calls, ``channels_first`` inputs, XLA-compiled
+    graphs (MaxPoolWithArgmax has no XLA kernel) and input dtypes other than
+    float16 / bfloat16 / float32 / float64 run Keras's layer, as does
+    ``save_argmax=False``. Second derivatives through the pool are not
+    defined on the argmax path (the stock layer's are).
+    """
+
+    def __init__(self, *args, save_argmax=True, **kwargs):
+        if save_argmax not in (True, False):
+            raise TapehookError(
+                f"MaxPooling2D(save_argmax={save_argmax!r}): save_argmax is True or False"
+            )
+        super().__init__(*args, **kwargs)
+        self.save_argmax = save_argmax
+
+    def call(self, inputs, training=None):
+        if not (self.save_argmax and training and self.data_format == "channels_last"):
+            return super().call(inputs)
+        inputs = tf.convert_to_tensor(inputs)
+        if inputs.dtype not in _ARGMAX_DTYPES or (
+            not tf.executing_eagerly()
+            and control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
+        ):
+            return super().call(inputs)
+        return _max_pool_keeping_argmax(inputs, self.pool_size, self.strides, self.padding.upper())
+
+    def get_config(self):
+        return {**super().get_config(), "save_argmax": self.save_argmax}

@@ -170,15 +170,15 @@ def test_profile_breakdown_names_tapehook_ops(tmp_path):
     assert abs(sum(r["share"] for r in profile["top"]) - 1) < 1e-6 or profile["all_types"] > 25
 
 
-def _saved_set_of_head(hidden):
+def _saved_set_of_head(hidden, inputs=(5,)):
     """bench/saved_tensors.py's saved_set (tensors, unsized) of one traced
     training step (SGD, from-logits cross entropy, batch 4) of a model
-    ``Dense(3)(hidden(Input((5,))))``."""
+    ``Dense(3)(hidden(Input(inputs)))``."""
     spec = importlib.util.spec_from_file_location("bench_saved", _PATH.parent / "saved_tensors.py")
     saved = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(saved)
     keras.utils.set_random_seed(0)
-    inputs = keras.Input((5,))
+    shape, inputs = inputs, keras.Input(inputs)
     net = keras.Model(inputs, keras.layers.Dense(3, name="head")(hidden(inputs)))
     optimizer = keras.optimizers.SGD(0.1)
     optimizer.build(net.trainable_variables)
@@ -186,7 +186,7 @@ def _saved_set_of_head(hidden):
         net,
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         optimizer,
-        tf.TensorSpec((4, 5), tf.float32),
+        tf.TensorSpec((4, *shape), tf.float32),
         tf.TensorSpec((4,), tf.int64),
     )
     return saved.saved_set(graph, 4)
@@ -204,6 +204,26 @@ def test_saved_set_is_what_the_backward_reads():
     arrays = {t["producer"]: t["bytes_per_sample"] for t in tensors if t["bytes_per_sample"] >= 4}
     assert arrays == {"Relu": 8 * 4, "SparseSoftmaxCrossEntropyWithLogits": 3 * 4}
     assert all(t["layers"] == "head" for t in tensors if t["producer"] == "Relu")
+
+
+def test_saved_set_skips_dead_backward_ops():
+    """The tape builds a frozen depthwise conv's filter gradient, which
+    nothing uses (TF prunes it at run time): the input it would read is not
+    counted. Conv2D(1x1) -> frozen DepthwiseConv2D -> global pool -> head
+    keeps the pooled features (the head's dW reads them) and the cross
+    entropy's backprop, no feature map (the depthwise's dX reads its filter,
+    the 1x1 conv's dW the model's input, the pool's gradient a shape)."""
+    tensors, unsized = _saved_set_of_head(
+        lambda inputs: keras.layers.GlobalAveragePooling2D()(
+            keras.layers.DepthwiseConv2D(3, trainable=False, name="head_frozen")(
+                keras.layers.Conv2D(2, 1, name="head_hidden")(inputs)
+            )
+        ),
+        inputs=(6, 6, 2),
+    )
+    arrays = {t["producer"]: t["bytes_per_sample"] for t in tensors if t["bytes_per_sample"] >= 4}
+    assert unsized == []
+    assert arrays == {"Mean": 2 * 4, "SparseSoftmaxCrossEntropyWithLogits": 3 * 4}
 
 
 def test_saved_set_lists_tensors_of_run_time_size():

@@ -1,0 +1,211 @@
+"""tapehook.layers.MaxPooling2D against Keras 3's MaxPooling2D (stock
+MaxPool / MaxPoolGrad: the independent reference): outputs and gradients
+bit for bit, ties included, in eager, tf.function, tf.gradients, Keras fit
+and MirroredStrategy; that a training graph's backward keeps the argmax
+indices, not the pool's float input or output; where it runs Keras's layer."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tapehook
+from tapehook.layers import MaxPooling2D
+
+from conftest import fit_mirrored
+
+POOLS = {
+    "stem_3x3_s2_same": dict(pool_size=3, strides=2, padding="same"),
+    "2x2_s1_valid": dict(pool_size=2, strides=1),  # QuickNet's transition
+    "3x2_s2x1_valid": dict(pool_size=(3, 2), strides=(2, 1), padding="valid"),
+    "2x2_default_strides": dict(pool_size=2),
+}
+
+
+def _inputs(kind, shape=(3, 11, 10, 6), seed=0):
+    """Gaussian values; or with ties: rounded to integers, or ReLU'd (zeros
+    fill whole windows)."""
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    if kind == "rounded":
+        x = np.round(x)
+    elif kind == "relu":
+        x = np.maximum(x, 0.0)
+    return tf.constant(x)
+
+
+def _step(layer, x, mode):
+    """Output and input gradient of a loss through ``layer`` (training call)."""
+
+    def step(x):
+        if mode == "gradients":
+            y = layer(x, training=True)
+            return y, tf.gradients(tf.reduce_sum(y * tf.sin(y + 0.3)), x)[0]
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = layer(x, training=True)
+            loss = tf.reduce_sum(y * tf.sin(y + 0.3))
+        return y, tape.gradient(loss, x)
+
+    if mode != "eager":
+        step = tf.function(step)
+    return [t.numpy() for t in step(x)]
+
+
+@pytest.mark.parametrize("mode", ["eager", "function", "gradients"])
+@pytest.mark.parametrize("values", ["gaussian", "rounded", "relu"])
+@pytest.mark.parametrize("pool", list(POOLS))
+def test_matches_keras_bit_for_bit(pool, values, mode):
+    x = _inputs(values)
+    got = _step(MaxPooling2D(**POOLS[pool]), x, mode)
+    want = _step(keras.layers.MaxPooling2D(**POOLS[pool]), x, mode)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+    assert np.any(got[1] != 0)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float64"])
+def test_other_float_dtypes(dtype):
+    x = tf.cast(_inputs("rounded"), dtype)
+    for mode in ("eager", "function"):
+        pool = dict(pool_size=3, strides=2, padding="same", dtype=dtype)
+        got = _step(MaxPooling2D(**pool), x, mode)
+        want = _step(keras.layers.MaxPooling2D(**pool), x, mode)
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype == np.dtype(tf.as_dtype(dtype).as_numpy_dtype)
+            np.testing.assert_array_equal(a, b)
+
+
+def _pool_graph(layer, x):
+    """The tf.gradients graph of a training call through ``layer``."""
+
+    @tf.function
+    def step(x):
+        y = layer(x, training=True)
+        return tf.gradients(tf.reduce_sum(y * y), x)[0]
+
+    return step.get_concrete_function(x).graph
+
+
+def _backward_float_reads(graph, pool_type):
+    """Float tensors of the forward pool (its input, its outputs) that an op
+    of the backward (the ``gradients`` name scope) reads."""
+    pool = [op for op in graph.get_operations() if op.type == pool_type]
+    assert len(pool) == 1
+    tensors = [t for t in [*pool[0].inputs, *pool[0].outputs] if t.dtype.is_floating]
+    return [
+        t.name
+        for t in tensors
+        for reader in t.consumers()
+        if reader.name.startswith("gradients/") and reader.type != "Shape"
+    ]
+
+
+def test_backward_keeps_the_argmax_not_the_floats():
+    """Stock: MaxPoolGrad reads the pool's input and output. Ours: the
+    backward reads neither, only the int32 indices (and the input's shape)."""
+    x = _inputs("gaussian", (2, 16, 16, 8))
+    stock = _pool_graph(keras.layers.MaxPooling2D(3, strides=2, padding="same"), x)
+    assert len(_backward_float_reads(stock, "MaxPool")) >= 2
+    graph = _pool_graph(MaxPooling2D(3, strides=2, padding="same"), x)
+    assert _backward_float_reads(graph, "MaxPoolWithArgmax") == []
+    types = [op.type for op in graph.get_operations()]
+    assert "MaxPoolGradWithArgmax" in types and "MaxPoolGrad" not in types
+    grad = next(op for op in graph.get_operations() if op.type == "MaxPoolGradWithArgmax")
+    kept = grad.inputs[2].op  # the int64 argmax, cast back from the kept int32
+    assert kept.type == "Cast" and kept.inputs[0].dtype == tf.int32
+
+
+def test_inference_xla_and_switched_off_are_keras():
+    """Inference calls, XLA-compiled graphs and save_argmax=False run the
+    stock MaxPool (and still match Keras's layer)."""
+    x = _inputs("gaussian")
+    want = _step(keras.layers.MaxPooling2D(3, strides=2, padding="same"), x, "function")
+    for layer, jit in (
+        (MaxPooling2D(3, strides=2, padding="same", save_argmax=False), False),
+        (MaxPooling2D(3, strides=2, padding="same"), True),
+    ):
+
+        @tf.function(jit_compile=jit)
+        def step(x, layer=layer):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                y = layer(x, training=True)
+                loss = tf.reduce_sum(y * tf.sin(y + 0.3))
+            return y, tape.gradient(loss, x)
+
+        for a, b in zip(step(x), want):
+            np.testing.assert_allclose(a.numpy(), b, rtol=1e-6, atol=1e-6)
+        if not jit:
+            types = [op.type for op in step.get_concrete_function(x).graph.get_operations()]
+            assert "MaxPool" in types and "MaxPoolWithArgmax" not in types
+
+    layer = MaxPooling2D(3, strides=2, padding="same")
+    infer = tf.function(lambda x: layer(x, training=False))
+    types = [op.type for op in infer.get_concrete_function(x).graph.get_operations()]
+    assert "MaxPool" in types and "MaxPoolWithArgmax" not in types
+    np.testing.assert_array_equal(infer(x).numpy(), want[0])
+
+
+def _small_model(pool):
+    keras.utils.set_random_seed(3)
+    inputs = keras.Input((12, 12, 3))
+    x = keras.layers.Conv2D(8, 3, padding="same")(inputs)
+    x = pool(3, strides=2, padding="same")(x)
+    x = keras.layers.Conv2D(4, 3, padding="same", activation="relu")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    return keras.Model(inputs, keras.layers.Dense(3, activation="softmax")(x))
+
+
+def _data():
+    rng = np.random.default_rng(5)
+    return rng.standard_normal((8, 12, 12, 3)).astype(np.float32), rng.integers(0, 3, 8)
+
+
+def test_fit_matches_keras_and_saves(tmp_path):
+    """Keras fit (two SGD steps) ends at the same weights as with Keras's
+    layer; the .keras round trip keeps the layer and its setting."""
+    x, y = _data()
+    weights = {}
+    for name, pool in (("keras", keras.layers.MaxPooling2D), ("ours", MaxPooling2D)):
+        net = _small_model(pool)
+        net.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
+        net.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+        weights[name] = net.get_weights()
+    for a, b in zip(weights["ours"], weights["keras"]):
+        np.testing.assert_array_equal(a, b)
+    path = tmp_path / "net.keras"
+    net.save(path)
+    loaded = keras.models.load_model(path)
+    pool = loaded.layers[2]
+    assert type(pool) is MaxPooling2D and pool.save_argmax is True
+    np.testing.assert_array_equal(loaded.predict(x, verbose=0), net.predict(x, verbose=0))
+    off = MaxPooling2D.from_config(MaxPooling2D(2, save_argmax=False).get_config())
+    assert off.save_argmax is False
+
+
+def mirrored_variants():
+    """For tests/helpers/mirrored_fit.py: the small model with each layer."""
+
+    def build(pool):
+        net = _small_model(pool)
+        net.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
+        return net
+
+    return {
+        "keras": lambda: build(keras.layers.MaxPooling2D),
+        "ours": lambda: build(MaxPooling2D),
+    }
+
+
+@pytest.mark.slow
+def test_mirrored_strategy_matches_keras():
+    out = fit_mirrored("test_pooling")
+    assert len(out["ours"]) == len(out["keras"]) == 6
+    for a, b in zip(out["ours"], out["keras"]):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_bad_value():
+    with pytest.raises(tapehook.TapehookError, match="save_argmax is True or False"):
+        MaxPooling2D(2, save_argmax="yes")
