@@ -43,7 +43,7 @@ TF with oneDNN on and off (docs/performance.md):
   also on AMX CPUs where the image is under AMX_MIN_IMAGE_PIXELS pixels (7x7,
   4x4), where they beat the AMX GEMMs;
 - otherwise, dX where TF runs Eigen's convolutions (oneDNN off, as TF sets
-  it on AVX2 CPUs): tapehook's AVX2 GEMM (plan ``avx2``), 1.03-3.8x of
+  it on AVX2 CPUs): tapehook's AVX2 GEMM (plan ``avx2``), 1.0-4.4x of
   Eigen's backprop-input at the Bi-Real-Net and QuickNet shapes;
 - otherwise, backprops: stock Conv2DBackpropInput / Filter on
   (x_hat, alpha sign W) with the estimator masks applied after, except for
@@ -165,9 +165,9 @@ def choose(
     if otherwise == STOCK and not filter_grad and not onednn and "avx2" in capabilities:
         # No sign-table kernels (an AVX2 CPU) and TF on Eigen's convolutions
         # (it turns oneDNN on only on newer ISAs): the AVX2 GEMM's dX beats
-        # Eigen's backprop-input at every Bi-Real-Net / QuickNet shape, 1.03-
-        # 3.8x, most on the deep ones (bench/results/backprops_avx2.json);
-        # its dW does not everywhere (0.7-2.0x), so dW stays on stock.
+        # Eigen's backprop-input at every Bi-Real-Net / QuickNet shape, 1.0-
+        # 4.4x, most on the deep ones (bench/results/backprops_avx2.json);
+        # its dW does not (0.5-1.3x; from packed bits 0.5-1.1x): dW stays stock.
         otherwise = "avx2"
     # A 1x1 dW runs about as fast as stock on AMX: take it only when the
     # kernels save unpacking the input bits. A 1x1 dX wins (1.2x).
