@@ -65,7 +65,7 @@ def main():
 
     sys.path.insert(0, str(HERE))
     from backprops import time_alternating
-    from run import cpu_model
+    from run import cpu_model, onednn_setting
 
     rows = []
     print(
@@ -102,7 +102,7 @@ def main():
         "cpu_count": os.cpu_count(),
         "tf_version": tf.__version__,
         "keras_version": keras.__version__,
-        "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "default (on)"),
+        "onednn": onednn_setting(),
         "repeats": args.repeats,
         "calls": args.calls,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),

@@ -986,7 +986,7 @@ def main():
                 groups.append((model, size, batch, configs))
 
     sys.path.insert(0, str(HERE))
-    from run import cpu_flags, cpu_model  # bench/run.py
+    from run import cpu_flags, cpu_model, onednn_setting  # bench/run.py
 
     meta = {
         "machine": cpu_model(),
@@ -997,7 +997,7 @@ def main():
         "larq_python": lq_python,
         "quick": quick,
         "rounds": rounds,
-        "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "default (on)"),
+        "onednn": onednn_setting(),
         "dispatch": os.environ.get("TAPEHOOK_DISPATCH", "auto"),
     }
     runs = []

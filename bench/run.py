@@ -74,6 +74,16 @@ def cpu_model():
     return platform.processor() or "unknown"
 
 
+def onednn_setting():
+    """TF_ENABLE_ONEDNN_OPTS as set ("default" when unset) and whether TF
+    runs its CPU convolutions on oneDNN here: TF's default depends on the
+    CPU (on with AVX-512 VNNI / AMX, off on an AVX2 EPYC). Imports TF."""
+    from tapehook import compat
+
+    setting = os.environ.get("TF_ENABLE_ONEDNN_OPTS", "default")
+    return f"{setting} ({'on' if compat.onednn_enabled() else 'off'})"
+
+
 def cpu_flags():
     try:
         for line in open("/proc/cpuinfo"):
