@@ -433,17 +433,30 @@ def _max_pool_keeping_argmax(x, ksize, strides, padding):
         )
         kept, shape = tf.cast(argmax, index_dtype), tf.shape(x)
 
+        @tf.custom_gradient
         def grad(dy):
+            argmax = tf.cast(kept, tf.int64)
             # MaxPoolGradWithArgmax reads only its input's shape.
-            return tf.raw_ops.MaxPoolGradWithArgmax(
+            dx = tf.raw_ops.MaxPoolGradWithArgmax(
                 input=tf.zeros(shape, dy.dtype),
                 grad=dy,
-                argmax=tf.cast(kept, tf.int64),
+                argmax=argmax,
                 ksize=ksize,
                 strides=strides,
                 padding=padding,
                 include_batch_in_index=False,
             )
+
+            def grad_of_grad(v):
+                # dx is linear in dy (TF registers no gradient for the op):
+                # its transpose reads v at each window's maximum, as stock
+                # MaxPoolGradGrad does (the indices are constant in x).
+                images = tf.shape(v)[0]
+                flat = tf.reshape(v, [images, -1])
+                taken = tf.gather(flat, tf.reshape(argmax, [images, -1]), batch_dims=1)
+                return tf.reshape(taken, tf.shape(dy))
+
+            return dx, grad_of_grad
 
         return y, grad
 

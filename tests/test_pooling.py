@@ -10,6 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tapehook
+from tapehook import layers
 from tapehook.layers import MaxPooling2D
 
 from conftest import fit_mirrored
@@ -60,6 +61,33 @@ def test_matches_keras_bit_for_bit(pool, values, mode):
     want = _step(keras.layers.MaxPooling2D(**POOLS[pool]), x, mode)
     for a, b in zip(got, want):
         assert a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+    assert np.any(got[1] != 0)
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_second_derivatives_match_keras(mode):
+    """A gradient of a gradient through the pool (the incoming gradient
+    depends on the input): the stock layer's, bit for bit."""
+    x = _inputs("rounded")
+
+    def second(layer):
+        def run(x):
+            with tf.GradientTape() as outer:
+                outer.watch(x)
+                with tf.GradientTape() as inner:
+                    inner.watch(x)
+                    y = layer(x * x, training=True)
+                    loss = tf.reduce_sum(y * tf.sin(y))
+                g = inner.gradient(loss, x)
+                penalty = tf.reduce_sum(g * g)
+            return g, outer.gradient(penalty, x)
+
+        return [t.numpy() for t in (tf.function(run) if mode == "function" else run)(x)]
+
+    got = second(MaxPooling2D(3, strides=2, padding="same"))
+    want = second(keras.layers.MaxPooling2D(3, strides=2, padding="same"))
+    for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
     assert np.any(got[1] != 0)
 
@@ -162,16 +190,23 @@ def _data():
     return rng.standard_normal((8, 12, 12, 3)).astype(np.float32), rng.integers(0, 3, 8)
 
 
-def test_fit_matches_keras_and_saves(tmp_path):
-    """Keras fit (two SGD steps) ends at the same weights as with Keras's
-    layer; the .keras round trip keeps the layer and its setting."""
+def test_fit_matches_keras_and_saves(tmp_path, monkeypatch):
+    """Keras fit (two SGD steps) runs the argmax pool and ends at the same
+    weights as with Keras's layer; the .keras round trip keeps the layer
+    and its setting."""
     x, y = _data()
+    traced = []
+    argmax_pool = layers._max_pool_keeping_argmax
+    monkeypatch.setattr(
+        layers, "_max_pool_keeping_argmax", lambda *a: traced.append(1) or argmax_pool(*a)
+    )
     weights = {}
     for name, pool in (("keras", keras.layers.MaxPooling2D), ("ours", MaxPooling2D)):
         net = _small_model(pool)
         net.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
         net.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
         weights[name] = net.get_weights()
+    assert traced  # fit's training calls took the argmax path
     for a, b in zip(weights["ours"], weights["keras"]):
         np.testing.assert_array_equal(a, b)
     path = tmp_path / "net.keras"
