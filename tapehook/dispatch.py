@@ -42,9 +42,12 @@ TF with oneDNN on and off (docs/performance.md):
   at the Bi-Real-Net and QuickNet shapes, batch 32 (bench/lut_backprop/);
   also on AMX CPUs where the image is under AMX_MIN_IMAGE_PIXELS pixels (7x7,
   4x4), where they beat the AMX GEMMs;
-- otherwise, dX where TF runs Eigen's convolutions (oneDNN off, as TF sets
-  it on AVX2 CPUs): tapehook's AVX2 GEMM (plan ``avx2``), 1.0-4.4x of
-  Eigen's backprop-input at the Bi-Real-Net and QuickNet shapes;
+- otherwise, where TF runs Eigen's convolutions (oneDNN off, as TF sets it
+  on AVX2 CPUs), plan ``avx2``: dX on tapehook's AVX2 GEMM, 1.0-4.4x of
+  Eigen's backprop-input at the Bi-Real-Net and QuickNet shapes, and a
+  binary-input dW on the AVX2 sign tables (cc_kernels/core/
+  lut_backprop_avx2.h: 8 signed sums of 3 dy values per vpermps), 1.1-3.6x
+  of Eigen's backprop-filter;
 - otherwise, backprops: stock Conv2DBackpropInput / Filter on
   (x_hat, alpha sign W) with the estimator masks applied after, except for
   dilated convs, which TF's CPU backprops reject and tapehook's kernels
@@ -162,12 +165,19 @@ def choose(
     # sign W for dX, sign x for a binary-input dW; float32): 1.6-3.0x of
     # oneDNN at every measured shape (bench/lut_backprop/REPORT.md).
     otherwise = "avx512" if "avx512" in capabilities else STOCK
-    if otherwise == STOCK and not filter_grad and not onednn and "avx2" in capabilities:
-        # No sign-table kernels (an AVX2 CPU) and TF on Eigen's convolutions
-        # (it turns oneDNN on only on newer ISAs): the AVX2 GEMM's dX beats
-        # Eigen's backprop-input at every Bi-Real-Net / QuickNet shape, 1.0-
-        # 4.4x, most on the deep ones (bench/results/backprops_avx2.json);
-        # its dW does not (0.5-1.3x; from packed bits 0.5-1.1x): dW stays stock.
+    if (
+        otherwise == STOCK
+        and (binary_input or not filter_grad)
+        and not onednn
+        and "avx2" in capabilities
+    ):
+        # No AVX-512 sign-table kernels (an AVX2 CPU) and TF on Eigen's
+        # convolutions (it turns oneDNN on only on newer ISAs): plan avx2's
+        # dX (its GEMM) beats Eigen's backprop-input at every Bi-Real-Net /
+        # QuickNet shape, 1.0-4.4x, and its dW of a binary input (the AVX2
+        # sign tables, lut_backprop_avx2.h) Eigen's backprop-filter, 1.1-3.6x
+        # (bench/results/backprops_avx2.json). A float input's dW stays stock
+        # (the GEMM: 0.5-1.3x).
         otherwise = "avx2"
     # A 1x1 dW runs about as fast as stock on AMX: take it only when the
     # kernels save unpacking the input bits. A 1x1 dX wins (1.2x).

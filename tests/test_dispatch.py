@@ -60,7 +60,8 @@ def test_auto_routes_and_matches_reference(
         pytest.skip("this CPU has no AVX-512 sign-table backprops")
     compiled = {"gemm_only": gemm_only, "avx512": avx512, "amx": amx}[cpu]
     if cpu == "gemm_only" and compiled["forward"] and not compat.onednn_enabled():
-        compiled = dict(compiled, backprop_input=1)  # the AVX2 GEMM's dX beats Eigen's
+        # plan avx2 beats Eigen's backprops: dX (GEMM), a binary input's dW (sign tables)
+        compiled = dict(compiled, backprop_input=1, backprop_filter=int(activations))
     if cpu == "amx" and not activations and stride == 1 and compat.onednn_enabled():
         compiled = dict(ONE, backprop_filter=0)  # the weight-only dW stays on oneDNN
     reference = _complement(compiled)
@@ -209,12 +210,15 @@ TABLE = [
     (DW, SAME, TINY_IMAGE, K3, True, False, NO_AMX, "auto", True, "avx512"),
     (DX, SAME, BIG, K3, True, False, GEMM, "auto", True, "stock"),
     (DW, SAME, BIG, K3, True, True, GEMM, "auto", True, "stock"),
-    # ... unless TF runs Eigen's convolutions (oneDNN off): dX on the AVX2
-    # GEMM, binary input or not; dW stays stock
+    # ... unless TF runs Eigen's convolutions (oneDNN off): plan avx2 for dX
+    # (its GEMM), binary input or not, and for a binary input's dW (its sign
+    # tables), from packed bits or floats; a float input's dW stays stock
     (DX, SAME, BIG, K3, True, False, GEMM, "auto", False, "avx2"),
     (DX, SAME, SMALL, K1, False, False, GEMM, "auto", False, "avx2"),
-    (DW, SAME, BIG, K3, True, True, GEMM, "auto", False, "stock"),
-    (DW, SAME, BIG, K3, True, False, GEMM, "auto", False, "stock"),
+    (DW, SAME, BIG, K3, True, True, GEMM, "auto", False, "avx2"),
+    (DW, SAME, BIG, K3, True, False, GEMM, "auto", False, "avx2"),
+    (DW, SAME, TINY_IMAGE, K1, True, True, GEMM, "auto", False, "avx2"),
+    (DW, SAME, BIG, K3, False, False, GEMM, "auto", False, "stock"),
     (DX, SAME, BIG, K3, True, False, frozenset({"portable"}), "auto", False, "stock"),
     # ... and where AMX does not pay: AMX too small -> sign-table kernels
     (DX, SAME, SMALL, K3, True, False, AMX, "auto", True, "avx512"),

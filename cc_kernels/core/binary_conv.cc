@@ -15,6 +15,7 @@
 #include "conv_util.h"
 #include "float_gemm.h"
 #include "lut_backprop.h"
+#include "lut_backprop_avx2.h"
 #include "plan.h"
 
 namespace tapehook {
@@ -273,8 +274,11 @@ void BinaryConv2DBackpropFilter(const ConvShape& s, const T* x, const T* w,
   }
   const bool binary = act_est != Estimator::kNone;
   if constexpr (std::is_same<T, float>::value) {
-    if (pixels > 0 && binary && impl == Impl::kAvx512 &&
-        lut::BackpropFilter(s, x, dy, dw, parallel_for)) {
+    if (pixels > 0 && binary &&
+        ((impl == Impl::kAvx512 &&
+          lut::BackpropFilter(s, x, dy, dw, parallel_for)) ||
+         (impl == Impl::kAvx2 &&
+          lut_avx2::BackpropFilter(s, x, dy, dw, parallel_for)))) {
       ScaleFilterGradient(s, w, w_est, clip, scale, dw, parallel_for);
       return;
     }

@@ -13,9 +13,9 @@
 #include <utility>
 #include <vector>
 
-#include "amx_runtime.h"  // the scratch pool (amx::Pool)
 #include "conv_util.h"
 #include "cpu.h"
+#include "lut_common.h"
 #include "pack_input.h"
 #include "simd_avx512.h"
 
@@ -45,25 +45,13 @@ bool Supports(const ConvQuery& q) {
 
 namespace {
 
+using lut_common::DwTaps;
+using lut_common::kNegSigns;
+using lut_common::PaddingCorrection;
+using lut_common::Scratch;
+using lut_common::TapsOf;
+
 // ------------------------------------------------------------------ helpers
-
-// Scratch from the kernels' pool (fresh multi-MiB blocks cost a page fault
-// per 4 KiB); 64-byte aligned, contents undefined.
-template <typename T>
-class Scratch {
- public:
-  explicit Scratch(int64_t n)
-      : bytes_(RoundUp(std::max<int64_t>(n, 1) * sizeof(T), 4096)),
-        p_(static_cast<T*>(amx::Pool().Take(bytes_))) {}
-  ~Scratch() { amx::Pool().Give(p_, bytes_); }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
-  T* get() const { return p_; }
-
- private:
-  size_t bytes_;
-  T* p_;
-};
 
 inline int64_t FloorDiv(int64_t a, int64_t b) {
   return a >= 0 ? a / b : -((-a + b - 1) / b);
@@ -447,21 +435,6 @@ TAPEHOOK_AVX512 void SignsOfFloats(const float* x, int64_t ci, int64_t cb,
   }
 }
 
-// kNegSigns[byte]: the negated sign bits of a packed byte's 4 channels
-// (pack_input.h: channel i's sign, 1 for x >= 0, at bit 7 - 2 i), channel i
-// at bit i.
-struct NegSigns {
-  uint8_t v[256];
-  NegSigns() {
-    for (int byte = 0; byte < 256; ++byte) {
-      int m = 0;
-      for (int i = 0; i < 4; ++i) m |= ((byte >> (7 - 2 * i) & 1) ^ 1) << i;
-      v[byte] = static_cast<uint8_t>(m);
-    }
-  }
-};
-const NegSigns kNegSigns;
-
 // The same from the packed format.
 void SignsOfPacked(const uint8_t* packed, int64_t ci, int64_t cb, int64_t p0,
                    int64_t p1, uint16_t* bits) {
@@ -604,50 +577,6 @@ TAPEHOOK_AVX512 inline void Transpose16(__m512 r[16]) {
   }
 }
 
-// What the output columns [co_begin, co_end) of dW need besides the nibble
-// image: which taps ever meet the input, and the output positions where
-// some tap is padding.
-struct DwTaps {
-  std::vector<char> live;       // [tap]
-  std::vector<int64_t> border;  // output positions oh * ow + ow_
-};
-
-bool TapPadded(const DwGeometry& g, int64_t a, int64_t b, int64_t p) {
-  const int64_t ih = p / g.ow * g.sh + a - g.pt;
-  const int64_t iw = p % g.ow * g.sw + b - g.pl;
-  return ih < 0 || ih >= g.h || iw < 0 || iw >= g.w;
-}
-
-DwTaps TapsOf(const DwGeometry& g) {
-  DwTaps t;
-  t.live.assign(g.kh * g.kw, 0);
-  for (int64_t a = 0; a < g.kh; ++a) {
-    bool row = false;
-    for (int64_t o = 0; o < g.oh && !row; ++o) {
-      const int64_t ih = o * g.sh + a - g.pt;
-      row = ih >= 0 && ih < g.h;
-    }
-    for (int64_t b = 0; b < g.kw; ++b) {
-      bool col = false;
-      for (int64_t x = 0; x < g.ow && !col; ++x) {
-        const int64_t iw = x * g.sw + b - g.pl;
-        col = iw >= 0 && iw < g.w;
-      }
-      t.live[a * g.kw + b] = row && col;
-    }
-  }
-  for (int64_t p = 0; p < g.oh * g.ow; ++p) {
-    bool padded = false;
-    for (int64_t a = 0; a < g.kh && !padded; ++a) {
-      for (int64_t b = 0; b < g.kw && !padded; ++b) {
-        padded = TapPadded(g, a, b, p);
-      }
-    }
-    if (padded) t.border.push_back(p);
-  }
-  return t;
-}
-
 // dW columns [co_begin, co_end), in slices of up to kDwSlice channels: per
 // slice, acc[tap][cs_pad][ci_pad] over K chunks of position groups, then the
 // padding correction and the transpose into HWIO.
@@ -709,25 +638,7 @@ TAPEHOOK_AVX512 void DwColumns(const DwGeometry& g, const DwTaps& taps,
     }
     // Zero padding: the kernel counted padded taps as +1; subtract
     // corr[tap][co] = the sum of dy over the positions where tap is padding.
-    std::fill(corr.begin(), corr.end(), 0.0f);
-    if (!taps.border.empty()) {
-      std::fill(border_sum.begin(), border_sum.end(), 0.0f);
-      for (int64_t n = 0; n < g.n; ++n) {
-        for (size_t i = 0; i < taps.border.size(); ++i) {
-          const float* d = dy + (n * g.oh * g.ow + taps.border[i]) * g.co + cs0;
-          float* s = border_sum.data() + i * kDwSlice;
-          for (int64_t c = 0; c < csn; ++c) s[c] += d[c];
-        }
-      }
-      for (int64_t tap = 0; tap < ntaps; ++tap) {
-        float* c = corr.data() + tap * kDwSlice;
-        for (size_t i = 0; i < taps.border.size(); ++i) {
-          if (!TapPadded(g, tap / g.kw, tap % g.kw, taps.border[i])) continue;
-          const float* s = border_sum.data() + i * kDwSlice;
-          for (int64_t j = 0; j < csn; ++j) c[j] += s[j];
-        }
-      }
-    }
+    PaddingCorrection(g, taps, dy, cs0, csn, kDwSlice, &border_sum, &corr);
     // acc [tap][co][ci] -> dw [tap][ci][co] minus corr; taps that never
     // meet the input are exact zeros.
     for (int64_t tap = 0; tap < ntaps; ++tap) {

@@ -11,6 +11,7 @@
 #include "amx_conv.h"
 #include "binary_conv.h"
 #include "lut_backprop.h"
+#include "lut_backprop_avx2.h"
 #include "pack_input.h"
 #include "plan.h"
 
@@ -99,8 +100,10 @@ void BinaryConv2DBackpropFilterPacked(const ConvShape& s, const uint8_t* packed,
         return;
       }
     }
-    if (impl == Impl::kAvx512 &&
-        lut::BackpropFilterPacked(s, packed, dy, dw, parallel_for)) {
+    if ((impl == Impl::kAvx512 &&
+         lut::BackpropFilterPacked(s, packed, dy, dw, parallel_for)) ||
+        (impl == Impl::kAvx2 &&
+         lut_avx2::BackpropFilterPacked(s, packed, dy, dw, parallel_for))) {
       ScaleFilterGradient(s, w, w_est, clip, scale, dw, parallel_for);
       return;
     }

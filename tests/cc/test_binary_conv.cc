@@ -24,6 +24,7 @@
 #include "cc_kernels/core/binary_conv.h"
 #include "cc_kernels/core/cpu.h"
 #include "cc_kernels/core/lut_backprop.h"
+#include "cc_kernels/core/lut_backprop_avx2.h"
 #include "cc_kernels/core/pack_input.h"
 #include "cc_kernels/core/packed_backprop.h"
 #include "cc_kernels/core/plan.h"
@@ -882,9 +883,11 @@ void TestBitpackedTiers() {
               passed, kCases);
 }
 
-// The avx512 plan of the float backprops (the sign-table engine,
-// lut_backprop.h) against the reference and the portable plan, through the
-// public entry points of binary_conv.h and packed_backprop.h. Shapes cover
+// The sign-table backprops against the reference and the portable plan,
+// through the public entry points of binary_conv.h and packed_backprop.h:
+// plan avx512 (lut_backprop.h, dX and dW) and plan avx2 (its dW of a binary
+// input is lut_backprop_avx2.h; its dX the GEMM, checked against the
+// reference only). Shapes cover
 // what the engine pads or tiles internally: channel counts off the 16 lanes
 // (1, 3, 15, 17, 33, 100) and on them (16, 64), strides 1 to 3, kernels 1x1,
 // 3x3, 5x5 and 2x3, SAME / VALID / explicit padding (taps that never meet
@@ -892,12 +895,15 @@ void TestBitpackedTiers() {
 // weight estimator, alpha on and off. Each result must match the reference
 // within the float tolerance, agree bitwise under every ParallelFor, and
 // the packed-input backprops must give the float-input ones' bits.
-void TestAvx512Backprops() {
+void TestTableBackprops(tapehook::Impl plan) {
   using tapehook::Impl;
-  if (!tapehook::cpu::Avx512()) {
+  const bool avx512 = plan == Impl::kAvx512;
+  const char* plan_name = tapehook::ImplName(plan);
+  if (avx512 ? !tapehook::cpu::Avx512() : !tapehook::cpu::Avx2()) {
     std::printf(
-        "binary_conv [avx512 backprops]: skipped (no AVX-512 on this CPU or "
-        "TAPEHOOK_NO_AVX512 set)\n");
+        "binary_conv [%s backprops]: skipped (not on this CPU or a "
+        "TAPEHOOK_NO_* switch set)\n",
+        plan_name);
     return;
   }
   const int64_t kChannels[] = {1, 3, 15, 16, 17, 33, 64, 100};
@@ -930,7 +936,7 @@ void TestAvx512Backprops() {
       CHECK(tapehook::ComputeConvGeometry(static_cast<Padding>(l[7]), 0, 0, 0,
                                           0, &s)
                 .empty(),
-            "large avx512 backprop shape %d", i - kRandomCases);
+            "large table backprop shape %d", i - kRandomCases);
       break;
     }
     while (i < kRandomCases) {
@@ -972,20 +978,28 @@ void TestAvx512Backprops() {
     auto offered = [&](tapehook::ConvOp op, bool packed) {
       return tapehook::CanRun(tapehook::Capabilities(tapehook::QueryOf(
                                   op, s, binary || packed, packed, false)),
-                              Impl::kAvx512);
+                              plan);
     };
     ok &= offered(tapehook::ConvOp::kBackpropInput, false);
     ok &= offered(tapehook::ConvOp::kBackpropInput, true);
     ok &= offered(tapehook::ConvOp::kBackpropFilter, true);
-    ok &= offered(tapehook::ConvOp::kBackpropFilter, false) == binary;
-    if (!ok) std::printf("  avx512 not offered where it should be\n");
+    // avx2 runs every float dW (its GEMM where x is not binary).
+    ok &= offered(tapehook::ConvOp::kBackpropFilter, false) ==
+          (binary || !avx512);
+    if (!ok) std::printf("  %s not offered where it should be\n", plan_name);
     // The engine itself takes the conv (no silent fallback inside the plan).
     std::vector<float> raw(x.size());
-    ok &= tapehook::lut::BackpropInput(s, w.data(), nullptr, dy.data(),
-                                       raw.data(), InlineFor);
     std::vector<float> raw_w(w.size());
-    ok &= tapehook::lut::BackpropFilter(s, x.data(), dy.data(), raw_w.data(),
-                                        InlineFor);
+    if (avx512) {
+      ok &= tapehook::lut::BackpropInput(s, w.data(), nullptr, dy.data(),
+                                         raw.data(), InlineFor);
+      ok &= tapehook::lut::BackpropFilter(s, x.data(), dy.data(), raw_w.data(),
+                                          InlineFor);
+    } else {
+      ok &= tapehook::lut_avx2::BackpropFilter(s, x.data(), dy.data(),
+                                               raw_w.data(), InlineFor);
+    }
+    if (!ok) std::printf("  the %s engine refused the conv\n", plan_name);
     // The packed backprops always apply the ste_sign mask.
     const bool ste = pr.act_est == Estimator::kSteSign;
     Problem packed_pr = pr;
@@ -999,7 +1013,7 @@ void TestAvx512Backprops() {
     std::vector<float> dx0, dw0;
     for (const NamedFor& f : AllFors()) {
       const std::string tag = std::string(" [") + f.name + "]";
-      for (Impl impl : {Impl::kAvx512, Impl::kPortable}) {
+      for (Impl impl : {plan, Impl::kPortable}) {
         const std::string name = std::string(tapehook::ImplName(impl)) + tag;
         std::vector<float> dx = NaNs<float>(x.size());
         tapehook::BinaryConv2DBackpropInput<float>(
@@ -1021,32 +1035,34 @@ void TestAvx512Backprops() {
             s, packed.data(), w.data(), dy.data(), pr.w_est, pr.clip, pr.scale,
             pdw.data(), f.pf, impl);
         ok &= Matches("packed backprop_filter " + name, pdw, dw_packed_ref);
-        if (impl != Impl::kAvx512) continue;
-        if (ste && (!BitwiseEqual(pdx.data(), dx.data(), 4 * dx.size()) ||
-                    !BitwiseEqual(pdw.data(), dw.data(), 4 * dw.size()))) {
+        if (impl != plan) continue;
+        // Plan avx2's dX is the GEMM on the float input (on a stand-in for
+        // packed bits): its bits are not the table engine's to promise.
+        if (ste &&
+            ((avx512 && !BitwiseEqual(pdx.data(), dx.data(), 4 * dx.size())) ||
+             !BitwiseEqual(pdw.data(), dw.data(), 4 * dw.size()))) {
           std::printf("  packed%s differs bitwise from the float input\n",
                       tag.c_str());
           ok = false;
         }
         if (dx0.empty()) {
           dx0 = dx, dw0 = dw;
-        } else if (!BitwiseEqual(dx.data(), dx0.data(), 4 * dx.size()) ||
+        } else if ((avx512 &&
+                    !BitwiseEqual(dx.data(), dx0.data(), 4 * dx.size())) ||
                    (binary &&
                     !BitwiseEqual(dw.data(), dw0.data(), 4 * dw.size()))) {
-          std::printf("  avx512%s differs bitwise from [inline]\n",
+          std::printf("  %s%s differs bitwise from [inline]\n", plan_name,
                       tag.c_str());
           ok = false;
         }
       }
     }
-    CHECK(ok, "avx512 backprops, case %d: %s", i,
+    CHECK(ok, "%s backprops, case %d: %s", plan_name, i,
           Describe(pr, /*is_float=*/true).c_str());
     passed += ok;
   }
-  std::printf(
-      "binary_conv [avx512 backprops vs portable]: %d/%d cases "
-      "passed\n",
-      passed, kCases);
+  std::printf("binary_conv [%s backprops vs portable]: %d/%d cases passed\n",
+              plan_name, passed, kCases);
 }
 
 // The avx512 plan's scope for the backprops: float only, dilation 1, dW only
@@ -1127,7 +1143,8 @@ int main() {
   TestPlans();
   TestBitpackedTiers();
   TestAvx512BackpropPlans();
-  TestAvx512Backprops();
+  TestTableBackprops(tapehook::Impl::kAvx512);
+  TestTableBackprops(tapehook::Impl::kAvx2);
 
   // The core picks AVX2 kernels at run time when the CPU has them, unless
   // TAPEHOOK_NO_AVX2 is set: sweep with the CPU's best ISA, then with the
