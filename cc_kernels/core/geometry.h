@@ -27,10 +27,16 @@ std::string ComputeConvGeometry(Padding padding, int64_t pad_t, int64_t pad_b,
                                 int64_t pad_l, int64_t pad_r, ConvShape* s);
 
 // Runs fn(begin, end) over [0, total) split into shards; cost_per_unit is a
-// rough cycle count of one unit. The TF wrapper passes TF's CPU thread pool.
+// rough cycle count of one unit, or kEvenShards. The TF wrapper passes TF's
+// CPU thread pool.
 using ParallelFor =
     std::function<void(int64_t total, int64_t cost_per_unit,
                        const std::function<void(int64_t, int64_t)>& fn)>;
+
+// cost_per_unit asking for one shard of equal size per thread: for work
+// whose shards each re-read a shared operand, where TF's cost model (4
+// shards per thread) would multiply the reads.
+constexpr int64_t kEvenShards = -1;
 
 // v rounded up to a multiple of m.
 constexpr int64_t RoundUp(int64_t v, int64_t m) { return (v + m - 1) / m * m; }

@@ -132,6 +132,15 @@ ParallelFor ThreadPoolOf(OpKernelContext* ctx) {
   auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
   return [pool](int64_t total, int64_t cost,
                 const std::function<void(int64_t, int64_t)>& fn) {
+    if (cost == kEvenShards) {
+      const int64_t threads = std::max(1, pool->NumThreads());
+      pool->ParallelFor(
+          total,
+          ::tensorflow::thread::ThreadPool::SchedulingParams::Fixed(
+              std::max<int64_t>(1, (total + threads - 1) / threads)),
+          fn);
+      return;
+    }
     pool->ParallelFor(total, cost, fn);
   };
 }
