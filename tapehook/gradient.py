@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from tapehook import counts, dispatch, kernels, reference, registry
 from tapehook.errors import TapehookError
-from tapehook.packing import PackedInput
+from tapehook.packing import NO_MASK, PackedInput
 from tapehook.spec import BinarySpec
 
 FORWARD_SPEC_ATTR = "_tapehook_forward_spec"  # on the filter tensor a tape records
@@ -84,9 +84,20 @@ def _kernel_backprop(op, plan, x, w, dy, spec, attrs):
     """One backprop on the kernels, from x or from the packed input bits."""
     from_x, from_bits = _KERNEL_OPS[op]
     common = {**attrs, **spec.op_attrs(op), "plan": plan}
-    if isinstance(x, PackedInput):
+    if not isinstance(x, PackedInput):
+        return getattr(_library(), from_x)(x, w, dy, **common)
+    if x.derivative is None:
         return getattr(_library(), from_bits)(x.packed, w, dy, **common, channels=x.channels)
-    return getattr(_library(), from_x)(x, w, dy, **common)
+    # A continuous estimator's bits (packing.py, TAPEHOOK_PACK_INPUTS=float16):
+    # sign bits under all-ones masks, which the packed ops read as ste_sign
+    # without a clip; dX_hat is then scaled by the kept float16 e'(x).
+    common["activation_estimator"] = "ste_sign"
+    if op == "backprop_input":
+        common.update(NO_MASK)
+    grad = getattr(_library(), from_bits)(x.packed, w, dy, **common, channels=x.channels)
+    if op == "backprop_input":
+        grad = _library().tapehook_scale_by_half(grad, x.derivative)
+    return grad
 
 
 def _stock_backprops(ops, x, w, dy, spec, attrs):

@@ -32,6 +32,8 @@ Features Detect() {
   f.avx512vl = __builtin_cpu_supports("avx512vl");
   f.avx512vpopcntdq = __builtin_cpu_supports("avx512vpopcntdq");
   unsigned a = 0, b = 0, c = 0, d = 0;
+  // F16C: CPUID.1:ECX bit 29 (its ymm state is AVX's, which avx2 checks).
+  if (__get_cpuid(1, &a, &b, &c, &d)) f.f16c = (c >> 29) & 1;
   if (__get_cpuid_count(7, 0, &a, &b, &c, &d)) {
     f.amx_bf16 = (d >> 22) & 1;
     f.amx_tile = (d >> 24) & 1;
@@ -116,6 +118,8 @@ bool PackInput512() {
 bool UnpackInput512() {
   return Detected().avx512f && !InEffect().no_avx512 && Avx2();
 }
+
+bool HalfConvert256() { return Detected().f16c && Avx2(); }
 
 bool Amx() {
   const Features& f = Detected();

@@ -16,6 +16,7 @@ namespace cpu {
 // Raw CPU (and OS) features, detected once.
 struct Features {
   bool avx2 = false, fma = false, popcnt = false, bmi2 = false;
+  bool f16c = false;
   bool avx512f = false, avx512bw = false, avx512vl = false;
   bool avx512vpopcntdq = false;
   bool amx_tile = false, amx_bf16 = false, amx_int8 = false;
@@ -43,6 +44,8 @@ bool Avx512();
 // AVX-512F (+ BMI2 for packing) loops of the packed-input format.
 bool PackInput512();
 bool UnpackInput512();
+// F16C conversions (float <-> binary16, 8 at a time) and the AVX2 tier.
+bool HalfConvert256();
 // AMX-TILE + AMX-BF16 + AVX-512 F/BW, the Linux grant, and the AVX2 tier.
 bool Amx();
 

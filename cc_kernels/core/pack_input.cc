@@ -180,6 +180,169 @@ void UnpackSignMask(const uint8_t* packed, int64_t rows, int64_t channels,
   });
 }
 
+uint16_t FloatToHalf(float value) {
+  uint32_t x;
+  std::memcpy(&x, &value, sizeof(x));
+  const uint32_t sign = (x >> 16) & 0x8000u, a = x & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u);   // NaN
+  if (a >= 0x47800000u) return static_cast<uint16_t>(sign | 0x7C00u);  // inf
+  if (a < 0x38800000u) {
+    // Below 2^-14 (binary16 subnormals): adding 0.5f rounds |value| to a
+    // multiple of 0.5f's ulp, 2^-24, the subnormal step, to nearest even;
+    // the low bits of the sum are then the subnormal's mantissa (0x400: the
+    // smallest normal, also the right encoding).
+    float v;
+    std::memcpy(&v, &a, sizeof(v));
+    v += 0.5f;
+    uint32_t r;
+    std::memcpy(&r, &v, sizeof(r));
+    return static_cast<uint16_t>(sign | (r - 0x3F000000u));
+  }
+  // Normal: rebias the exponent (127 -> 15) and round the 13 dropped bits to
+  // nearest even; a carry into the exponent (or to 0x7C00, inf) is right.
+  const uint32_t rounded = a - 0x38000000u + 0xFFFu + ((a >> 13) & 1u);
+  return static_cast<uint16_t>(sign | (rounded >> 13));
+}
+
+float HalfToFloat(uint16_t half) {
+  const uint32_t sign = static_cast<uint32_t>(half & 0x8000u) << 16;
+  const uint32_t e = (half >> 10) & 0x1Fu, m = half & 0x3FFu;
+  uint32_t bits;
+  if (e == 0x1F) {
+    bits = sign | 0x7F800000u | (m << 13);
+  } else if (e != 0) {
+    bits = sign | ((e + 112) << 23) | (m << 13);
+  } else {
+    // Zero or subnormal: m * 2^-24, exact in float32.
+    const float v = static_cast<float>(m) * 0x1p-24f;
+    std::memcpy(&bits, &v, sizeof(bits));
+    bits |= sign;
+  }
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+namespace {
+
+float GradOf(Estimator estimator, float t) {
+  return estimator == Estimator::kApproxSign
+             ? ApproxSignGrad(t)
+             : static_cast<float>(EstimatorGrad(estimator, t, 0.0));
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define TAPEHOOK_HAVE_HALF_SIMD 1
+// approx_sign's e'(t) = 2 - 2 min(|t|, 1), on the bit patterns as
+// ApproxSignGrad (NaN: 1, so e' = 0), then vcvtps2ph / vcvtph2ps.
+__attribute__((target("avx512f"))) void ApproxHalf512(const float* x, int64_t n,
+                                                      uint16_t* out) {
+  const __m512i abs_bits = _mm512_set1_epi32(0x7FFFFFFF),
+                one = _mm512_set1_epi32(0x3F800000);
+  const __m512 two = _mm512_set1_ps(2.0f);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i a = _mm512_and_si512(_mm512_loadu_si512(x + i), abs_bits);
+    const __m512 m = _mm512_castsi512_ps(_mm512_min_epi32(a, one));
+    const __m512 g = _mm512_fnmadd_ps(two, m, two);  // exact 2m, one rounding
+    _mm256_storeu_si256(
+        reinterpret_cast<__m256i*>(out + i),
+        _mm512_cvtps_ph(g, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  for (; i < n; ++i) out[i] = FloatToHalf(ApproxSignGrad(x[i]));
+}
+
+__attribute__((target("avx2,f16c,fma"))) void ApproxHalf256(const float* x,
+                                                            int64_t n,
+                                                            uint16_t* out) {
+  const __m256i abs_bits = _mm256_set1_epi32(0x7FFFFFFF),
+                one = _mm256_set1_epi32(0x3F800000);
+  const __m256 two = _mm256_set1_ps(2.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i a = _mm256_and_si256(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), abs_bits);
+    const __m256 m = _mm256_castsi256_ps(_mm256_min_epi32(a, one));
+    const __m256 g = _mm256_fnmadd_ps(two, m, two);
+    _mm_storeu_si128(
+        reinterpret_cast<__m128i*>(out + i),
+        _mm256_cvtps_ph(g, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  for (; i < n; ++i) out[i] = FloatToHalf(ApproxSignGrad(x[i]));
+}
+
+__attribute__((target("avx512f"))) void ScaleHalf512(const float* grad,
+                                                     const uint16_t* half,
+                                                     int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 h = _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(half + i)));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(grad + i), h));
+  }
+  for (; i < n; ++i) out[i] = grad[i] * HalfToFloat(half[i]);
+}
+
+__attribute__((target("avx2,f16c"))) void ScaleHalf256(const float* grad,
+                                                       const uint16_t* half,
+                                                       int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 h = _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(half + i)));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(grad + i), h));
+  }
+  for (; i < n; ++i) out[i] = grad[i] * HalfToFloat(half[i]);
+}
+#else
+#define TAPEHOOK_HAVE_HALF_SIMD 0
+#endif
+
+// Elements per ParallelFor unit (and its cost): whole vectors per unit.
+constexpr int64_t kHalfBlock = 4096;
+
+}  // namespace
+
+void EstimatorGradHalf(const float* x, int64_t n, Estimator estimator,
+                       uint16_t* half, const ParallelFor& parallel_for) {
+  int tier = 0;  // 0 portable, 1 F16C, 2 AVX-512F
+#if TAPEHOOK_HAVE_HALF_SIMD
+  if (estimator == Estimator::kApproxSign) {
+    tier = cpu::UnpackInput512() ? 2 : cpu::HalfConvert256() ? 1 : 0;
+  }
+#endif
+  const int64_t blocks = (n + kHalfBlock - 1) / kHalfBlock;
+  parallel_for(blocks, kHalfBlock * 2, [&](int64_t begin, int64_t end) {
+    const int64_t lo = begin * kHalfBlock;
+    const int64_t hi = end * kHalfBlock < n ? end * kHalfBlock : n;
+#if TAPEHOOK_HAVE_HALF_SIMD
+    if (tier == 2) return ApproxHalf512(x + lo, hi - lo, half + lo);
+    if (tier == 1) return ApproxHalf256(x + lo, hi - lo, half + lo);
+#endif
+    for (int64_t i = lo; i < hi; ++i) {
+      half[i] = FloatToHalf(GradOf(estimator, x[i]));
+    }
+  });
+}
+
+void ScaleByHalf(const float* grad, const uint16_t* half, int64_t n, float* out,
+                 const ParallelFor& parallel_for) {
+  int tier = 0;
+#if TAPEHOOK_HAVE_HALF_SIMD
+  tier = cpu::UnpackInput512() ? 2 : cpu::HalfConvert256() ? 1 : 0;
+#endif
+  const int64_t blocks = (n + kHalfBlock - 1) / kHalfBlock;
+  parallel_for(blocks, kHalfBlock * 2, [&](int64_t begin, int64_t end) {
+    const int64_t lo = begin * kHalfBlock;
+    const int64_t hi = end * kHalfBlock < n ? end * kHalfBlock : n;
+#if TAPEHOOK_HAVE_HALF_SIMD
+    if (tier == 2) return ScaleHalf512(grad + lo, half + lo, hi - lo, out + lo);
+    if (tier == 1) return ScaleHalf256(grad + lo, half + lo, hi - lo, out + lo);
+#endif
+    for (int64_t i = lo; i < hi; ++i) out[i] = grad[i] * HalfToFloat(half[i]);
+  });
+}
+
 template void PackSignMask<float>(const float*, int64_t, int64_t, double,
                                   uint8_t*, const ParallelFor&);
 template void PackSignMask<double>(const double*, int64_t, int64_t, double,

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "binary_conv.h"
+#include "estimator.h"
 
 namespace tapehook {
 
@@ -23,6 +24,26 @@ void PackSignMask(const T* x, int64_t rows, int64_t channels, double clip,
 template <typename T>
 void UnpackSignMask(const uint8_t* packed, int64_t rows, int64_t channels,
                     T* x_hat, T* mask, const ParallelFor& parallel_for);
+
+// The compact form of a continuous input estimator (approx_sign,
+// swish_sign; TAPEHOOK_PACK_INPUTS=float16): e'(x) of n float32 values as
+// IEEE binary16 bit patterns, rounded to nearest even (relative error at most
+// 2^-11; values below 2^-14 keep an absolute error of at most 2^-25). e'(x)
+// is computed as the float-input kernels compute it (approx_sign:
+// ApproxSignGrad; swish_sign: EstimatorGrad in double, rounded to float).
+void EstimatorGradHalf(const float* x, int64_t n, Estimator estimator,
+                       uint16_t* half, const ParallelFor& parallel_for);
+
+// out = grad * e' for n values, e' as EstimatorGradHalf's binary16 bits
+// (converted exactly to float32; one float32 rounding of the product).
+void ScaleByHalf(const float* grad, const uint16_t* half, int64_t n, float* out,
+                 const ParallelFor& parallel_for);
+
+// Exact binary16 <-> float32 conversions, round to nearest even (NaN keeps
+// its sign and becomes the quiet NaN 0x7e00), one value at a time: the
+// reference the vector loops agree with bit for bit.
+uint16_t FloatToHalf(float value);
+float HalfToFloat(uint16_t half);
 
 }  // namespace tapehook
 

@@ -522,6 +522,71 @@ REGISTER_OP("TapehookBinaryConv2DBackpropFilterPacked")
         "TapehookBinaryConv2DBackpropFilter of a ste_sign binary-activation "
         "conv whose input is given as TapehookPackInput bits.");
 
+REGISTER_OP("TapehookEstimatorGradHalf")
+    .Input("input: float")
+    .Output("derivative: half")
+    .Attr("activation_estimator: {'approx_sign', 'swish_sign'}")
+    .SetShapeFn(shape_inference::UnchangedShape)
+    .Doc(
+        "e'(x) of a continuous input estimator in binary16, rounded to "
+        "nearest even: what a binary conv's backward keeps of a float32 "
+        "input beside its sign bits (core/pack_input.h).");
+
+REGISTER_OP("TapehookScaleByHalf")
+    .Input("grad: float")
+    .Input("derivative: half")
+    .Output("output: float")
+    .SetShapeFn(shape_inference::UnchangedShape)
+    .Doc("grad * derivative, the binary16 e'(x) widened exactly.");
+
+class EstimatorGradHalfOp : public OpKernel {
+ public:
+  explicit EstimatorGradHalfOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::string name;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("activation_estimator", &name));
+    OP_REQUIRES(ctx, ParseEstimator(name, &estimator_),
+                errors::InvalidArgument("unknown estimator ", name));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &out));
+    if (x.NumElements() == 0) return;
+    EstimatorGradHalf(
+        x.flat<float>().data(), x.NumElements(), estimator_,
+        reinterpret_cast<uint16_t*>(out->flat<Eigen::half>().data()),
+        ThreadPoolOf(ctx));
+  }
+
+ private:
+  Estimator estimator_;
+};
+
+class ScaleByHalfOp : public OpKernel {
+ public:
+  explicit ScaleByHalfOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor &grad = ctx->input(0), &half = ctx->input(1);
+    OP_REQUIRES(ctx, grad.shape() == half.shape(),
+                errors::InvalidArgument(
+                    "grad ", grad.shape().DebugString(), " and derivative ",
+                    half.shape().DebugString(), " differ in shape"));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(
+        ctx, ctx->forward_input_or_allocate_output({0}, 0, grad.shape(), &out));
+    if (grad.NumElements() == 0) return;
+    ScaleByHalf(
+        grad.flat<float>().data(),
+        reinterpret_cast<const uint16_t*>(half.flat<Eigen::half>().data()),
+        grad.NumElements(), out->flat<float>().data(), ThreadPoolOf(ctx));
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("TapehookEstimatorGradHalf").Device(DEVICE_CPU),
+                        EstimatorGradHalfOp);
+REGISTER_KERNEL_BUILDER(Name("TapehookScaleByHalf").Device(DEVICE_CPU),
+                        ScaleByHalfOp);
+
 // The backprops reading the input as packed bits (core/pack_input.h).
 template <typename T, bool kFilter>
 class PackedBackpropOp : public OpKernel {
