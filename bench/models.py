@@ -24,6 +24,7 @@ tests/test_bench_models.py checks the parameter counts agree):
   recompute=True)`` and ``tapehook.layers.MaxPooling2D``: the step keeps no
   conv's float output for its batch norm (it rebuilds them in the backward)
   and its max pools keep their argmax instead of their float input and output;
+  ``tapehook-recompute-f16``: the same with ``TAPEHOOK_PACK_INPUTS=float16``;
 - ``larq``: ``lq.layers.QuantConv2D`` on tf-keras (TF_USE_LEGACY_KERAS=1), run
   with the python of a side environment (``--larq-python``; skipped when absent).
 
@@ -74,6 +75,7 @@ IMPLS = (
     "tapehook",
     "tapehook-fused",
     "tapehook-recompute",
+    "tapehook-recompute-f16",
     "larq",
 )
 # "-fused": the model's batch norms tapehook.layers.BatchNormalization and its
@@ -81,9 +83,13 @@ IMPLS = (
 # 0.14 train with) instead of Keras 3's. "tapehook-recompute": tapehook-fused
 # with BatchNormalization(recompute=True) (the convs' outputs rebuilt in the
 # backward instead of kept) and tapehook.layers.MaxPooling2D (argmax kept).
-FUSED_IMPLS = ("float-fused", "tapehook-fused", "tapehook-recompute")
-TAPEHOOK_IMPLS = ("tapehook", "tapehook-fused", "tapehook-recompute")
+# "tapehook-recompute-f16": tapehook-recompute with TAPEHOOK_PACK_INPUTS=float16
+# (approx_sign inputs kept as sign bits + binary16 e'(x); ste_sign as before).
+RECOMPUTE_IMPLS = ("tapehook-recompute", "tapehook-recompute-f16")
+FUSED_IMPLS = ("float-fused", "tapehook-fused", *RECOMPUTE_IMPLS)
+TAPEHOOK_IMPLS = ("tapehook", "tapehook-fused", *RECOMPUTE_IMPLS)
 FLOAT_IMPLS = ("float", "float-fused")
+_PACK_INPUTS = os.environ.get("TAPEHOOK_PACK_INPUTS", "1")  # as the run was started
 
 
 # ---------------------------------------------------------------------------
@@ -357,7 +363,7 @@ def build(K, model, impl, estimator, size, **kwargs):
     if impl in FUSED_IMPLS:
         import tapehook
 
-        recompute = impl == "tapehook-recompute"
+        recompute = impl in RECOMPUTE_IMPLS
         kwargs.setdefault(
             "batch_norm",
             lambda **kw: tapehook.layers.BatchNormalization(recompute=recompute, **kw),
@@ -367,6 +373,12 @@ def build(K, model, impl, estimator, size, **kwargs):
     net = ARCHITECTURES[model](K, binary_conv_factory(K, impl, model, estimator), size, **kwargs)
     if impl in TAPEHOOK_IMPLS:
         import tapehook
+
+        # Each binary conv's forward reads it (traced after this): set per
+        # implementation, so configurations built in one process differ only so.
+        os.environ["TAPEHOOK_PACK_INPUTS"] = (
+            "float16" if impl == "tapehook-recompute-f16" else _PACK_INPUTS
+        )
 
         tapehook.binarize(net, include="binary*", **tapehook_spec(model, estimator))
     return net

@@ -4,6 +4,7 @@ convs running tapehook's kernels and computing larq's forward. Tiny widths
 and images, no timing."""
 
 import importlib.util
+import os
 import pathlib
 import re
 
@@ -27,6 +28,13 @@ TINY = {"birealnet18": dict(filters=8), "quicknet_small": dict(filters=(8, 16, 3
 BINARY_CONVS = {"birealnet18": (16, 3), "quicknet_small": (16, 0)}
 TAPEHOOK = bench_models.TAPEHOOK_IMPLS
 FUSED = bench_models.FUSED_IMPLS
+
+
+@pytest.fixture(autouse=True)
+def _keep_pack_inputs(monkeypatch):
+    """bench_models.build sets TAPEHOOK_PACK_INPUTS per implementation: restored
+    after each test."""
+    monkeypatch.setenv("TAPEHOOK_PACK_INPUTS", os.environ.get("TAPEHOOK_PACK_INPUTS", "1"))
 
 
 def build(model, impl, estimator, **kwargs):
@@ -132,7 +140,7 @@ def test_tapehook_runs_binary_kernels_and_matches_larq_style(model, estimator, i
     # tapehook-recompute's batch norms run each binary forward again in the
     # backward (tapehook.layers.BatchNormalization(recompute=True)).
     assert counts["compiled"] == {
-        "forward": convs * (2 if impl == "tapehook-recompute" else 1),
+        "forward": convs * (2 if impl in bench_models.RECOMPUTE_IMPLS else 1),
         "backprop_input": convs,
         "backprop_filter": convs,
     }
