@@ -248,3 +248,25 @@ def test_fit_trains_as_with_float32_inputs(monkeypatch):
     for a, b in zip(weights16, weights32):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
     assert any(not np.array_equal(a, b) for a, b in zip(weights16, weights32))
+
+
+@pytest.mark.parametrize("mode", ["eager", "tape_in_function"])
+def test_the_stock_route_widens_the_kept_derivative(float16_mode, monkeypatch, mode):
+    """Where the dispatcher sends the backprops to stock ops (the forward on
+    the kernels), they run the reference backward on the unpacked signs with
+    the widened binary16 e'(x) as the mask: the same dX."""
+    from tapehook import dispatch
+
+    monkeypatch.setattr(dispatch, "backprop_path", lambda *a, **k: dispatch.STOCK)
+    x, w0 = random_inputs((2, 6, 6, 5), (3, 3, 5, 4))
+    spec = tapehook.BinarySpec(activations="approx_sign")
+    g = upstream((2, 6, 6, 4), tf.float32).numpy()
+    tapehook.reset_dispatch_counts()
+    _, dx, dw = run_mode(
+        mode, x, w0, g, _conv, prepare=lambda w: tapehook.mark_binary(w, **spec.to_config())
+    )
+    counts = tapehook.dispatch_counts()
+    assert counts["reference"]["backprop_input"] == 1 and counts["compiled"]["forward"] == 1
+    dx16, _, want_dw = _reference(x.numpy(), w0.numpy(), spec, g, [1, 1, 1, 1])
+    np.testing.assert_allclose(dx, dx16, rtol=1e-5, atol=1e-6 * np.abs(dx16).max())
+    assert_close(dw, want_dw, what="dW")
