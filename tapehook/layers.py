@@ -478,11 +478,13 @@ class MaxPooling2D(keras.layers.MaxPooling2D):
     ResNet's stem), 4 bytes per output element instead of 20. Outputs and
     gradients equal the stock layer's bit for bit (ties included: the first
     maximum of a window in row-major order gets the gradient, as in
-    MaxPoolGrad). Inference calls, ``channels_first`` inputs, XLA-compiled
+    MaxPoolGrad) where TF runs its own MaxPoolGrad; with oneDNN on, a graph's
+    MaxPoolGrad is rewritten to oneDNN's, which adds overlapping windows'
+    gradients in another order (equal to float rounding). Inference calls, ``channels_first`` inputs, XLA-compiled
     graphs (MaxPoolWithArgmax has no XLA kernel) and input dtypes other than
     float16 / bfloat16 / float32 / float64 run Keras's layer, as does
-    ``save_argmax=False``. Second derivatives through the pool are not
-    defined on the argmax path (the stock layer's are).
+    ``save_argmax=False``. Second derivatives through the argmax path gather
+    at the kept indices, as MaxPoolGradGrad does.
     """
 
     def __init__(self, *args, save_argmax=True, **kwargs):

@@ -10,7 +10,7 @@ import pytest
 import tensorflow as tf
 
 import tapehook
-from tapehook import layers
+from tapehook import compat, layers
 from tapehook.layers import MaxPooling2D
 
 from conftest import fit_mirrored
@@ -207,8 +207,15 @@ def test_fit_matches_keras_and_saves(tmp_path, monkeypatch):
         net.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
         weights[name] = net.get_weights()
     assert traced  # fit's training calls took the argmax path
+    # With oneDNN on, TF rewrites fit's MaxPoolGrad to oneDNN's, which adds
+    # the gradients of overlapping windows in another order: equal to float
+    # rounding there, bit for bit against TF's own kernel.
+    exact = not compat.onednn_enabled()
     for a, b in zip(weights["ours"], weights["keras"]):
-        np.testing.assert_array_equal(a, b)
+        if exact:
+            np.testing.assert_array_equal(a, b)
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     path = tmp_path / "net.keras"
     net.save(path)
     loaded = keras.models.load_model(path)
