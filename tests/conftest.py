@@ -231,3 +231,21 @@ def fit_mirrored(module):
     assert run.returncode == 0, run.stderr[-4000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     return {name: [np.array(w) for w in weights] for name, weights in out.items()}
+
+
+TIERS = ("best", "no_avx512", "portable")
+
+
+def run_in_tier(tier, script, *args):
+    """Runs ``python -c script *args`` in a process whose kernels use one
+    vector tier (cpu.h reads the TAPEHOOK_NO_* switches once per process):
+    "best" (what this CPU has), "no_avx512" (AVX2 at most) or "portable"."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env["TAPEHOOK_NO_AVX512"] = "1" if tier != "best" else "0"
+    env["TAPEHOOK_NO_AVX2"] = "1" if tier == "portable" else "0"
+    subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)], env=env, check=True, capture_output=True
+    )

@@ -4,10 +4,6 @@ to binary16 instead of its float32 input. dW matches the reference; dX is
 the reference's dX_hat times the binary16-rounded e'(x), computed here from
 NumPy's own float16 rounding, in every execution mode and in Keras fit."""
 
-import os
-import subprocess
-import sys
-
 import keras
 import numpy as np
 import pytest
@@ -16,7 +12,16 @@ import tensorflow as tf
 import tapehook
 from tapehook import kernels, reference
 
-from conftest import MODE_NAMES, assert_close, np_estimator_grad, random_inputs, run_mode, upstream
+from conftest import (
+    MODE_NAMES,
+    TIERS,
+    assert_close,
+    np_estimator_grad,
+    random_inputs,
+    run_in_tier,
+    run_mode,
+    upstream,
+)
 
 CONTINUOUS = ("approx_sign", "swish_sign")
 
@@ -68,7 +73,7 @@ np.savez(sys.argv[2], **out)
 """
 
 
-@pytest.mark.parametrize("tier", ["best", "no_avx512", "portable"])
+@pytest.mark.parametrize("tier", TIERS)
 def test_the_ops_round_as_numpy_in_every_tier(tmp_path, tier):
     """Each vector tier (AVX-512F, F16C, portable) and its scalar tail: e'(x)
     bit for bit NumPy's binary16 rounding (approx_sign; swish_sign within one
@@ -78,15 +83,7 @@ def test_the_ops_round_as_numpy_in_every_tier(tmp_path, tier):
         pytest.skip("compiled kernels not loaded")
     x = _inputs_spanning_the_derivative(20011, seed=1)  # odd length: the tails
     np.save(tmp_path / "x.npy", x)
-    env = dict(os.environ)
-    env["TAPEHOOK_NO_AVX512"] = "1" if tier != "best" else "0"
-    env["TAPEHOOK_NO_AVX2"] = "1" if tier == "portable" else "0"
-    subprocess.run(
-        [sys.executable, "-c", _TIER_SCRIPT, str(tmp_path / "x.npy"), str(tmp_path / "out.npz")],
-        env=env,
-        check=True,
-        capture_output=True,
-    )
+    run_in_tier(tier, _TIER_SCRIPT, tmp_path / "x.npy", tmp_path / "out.npz")
     out = np.load(tmp_path / "out.npz")
     want = _expected_half("approx_sign", x).view(np.uint16)
     np.testing.assert_array_equal(out["approx_sign"], want)

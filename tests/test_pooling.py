@@ -10,10 +10,10 @@ import pytest
 import tensorflow as tf
 
 import tapehook
-from tapehook import compat, layers
+from tapehook import compat, kernels, layers
 from tapehook.layers import MaxPooling2D
 
-from conftest import fit_mirrored
+from conftest import TIERS, fit_mirrored, run_in_tier
 
 POOLS = {
     "stem_3x3_s2_same": dict(pool_size=3, strides=2, padding="same"),
@@ -136,7 +136,8 @@ def test_backward_keeps_the_argmax_not_the_floats():
     stock = _pool_graph(keras.layers.MaxPooling2D(3, strides=2, padding="same"), x)
     assert len(_backward_float_reads(stock, "MaxPool")) >= 2
     graph = _pool_graph(MaxPooling2D(3, strides=2, padding="same"), x)
-    assert _backward_float_reads(graph, "MaxPoolWithArgmax") == []
+    pool_type = "TapehookMaxPoolArgmax" if kernels.library() is not None else "MaxPoolWithArgmax"
+    assert _backward_float_reads(graph, pool_type) == []
     types = [op.type for op in graph.get_operations()]
     assert "MaxPoolGradWithArgmax" in types and "MaxPoolGrad" not in types
     grad = next(op for op in graph.get_operations() if op.type == "MaxPoolGradWithArgmax")
@@ -167,6 +168,7 @@ def test_inference_xla_and_switched_off_are_keras():
         if not jit:
             types = [op.type for op in step.get_concrete_function(x).graph.get_operations()]
             assert "MaxPool" in types and "MaxPoolWithArgmax" not in types
+            assert "TapehookMaxPoolArgmax" not in types
 
     layer = MaxPooling2D(3, strides=2, padding="same")
     infer = tf.function(lambda x: layer(x, training=False))
@@ -251,3 +253,47 @@ def test_mirrored_strategy_matches_keras():
 def test_bad_value():
     with pytest.raises(tapehook.TapehookError, match="save_argmax is True or False"):
         MaxPooling2D(2, save_argmax="yes")
+
+
+_TIER_SCRIPT = """
+import sys, numpy as np, tensorflow as tf
+from tapehook import kernels
+cases = np.load(sys.argv[1], allow_pickle=True)
+out = {}
+for i, (x, k, s, pad) in enumerate(cases):
+    y, a = kernels.library().tapehook_max_pool_argmax(
+        tf.constant(x), ksize=[1, *k, 1], strides=[1, *s, 1], padding=pad)
+    out[f"y{i}"], out[f"a{i}"] = y.numpy(), a.numpy()
+np.savez(sys.argv[2], **out)
+"""
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_the_argmax_kernel_is_tf_max_pool_with_argmax(tmp_path, tier):
+    """tapehook's max pool with argmax (each vector tier and the channel
+    tails) gives TF's MaxPoolWithArgmax outputs and indices bit for bit:
+    SAME / VALID, square and not, windows beyond the image, ties (rounded
+    inputs: the first tap in row-major order wins), NaN and -inf."""
+    if kernels.library() is None:
+        pytest.skip("compiled kernels not loaded")
+    rng = np.random.default_rng(7)
+    cases = []
+    for shape, k, s, pad in [
+        ((2, 13, 11, 37), (3, 3), (2, 2), "SAME"),
+        ((1, 12, 12, 16), (2, 2), (2, 2), "VALID"),
+        ((2, 9, 10, 5), (3, 2), (1, 2), "SAME"),
+        ((1, 7, 8, 23), (4, 4), (3, 3), "SAME"),
+        ((3, 5, 5, 8), (5, 5), (1, 1), "VALID"),
+        ((1, 6, 6, 1), (1, 1), (2, 2), "SAME"),
+    ]:
+        x = np.round(rng.normal(size=shape) * 2).astype(np.float32) / 2
+        x.flat[rng.integers(0, x.size, 5)] = np.nan
+        x.flat[rng.integers(0, x.size, 5)] = -np.inf
+        cases.append((x, k, s, pad))
+    np.save(tmp_path / "cases.npy", np.array(cases, dtype=object), allow_pickle=True)
+    run_in_tier(tier, _TIER_SCRIPT, tmp_path / "cases.npy", tmp_path / "o.npz")
+    out = np.load(tmp_path / "o.npz")
+    for i, (x, k, s, pad) in enumerate(cases):
+        y, a = tf.nn.max_pool_with_argmax(x, k, s, pad, include_batch_in_index=False)
+        np.testing.assert_array_equal(out[f"y{i}"], y.numpy(), err_msg=f"case {i}")
+        np.testing.assert_array_equal(out[f"a{i}"], a.numpy(), err_msg=f"case {i}")

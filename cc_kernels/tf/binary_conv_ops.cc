@@ -11,6 +11,7 @@
 #include "core/amx_conv.h"
 #include "core/binary_conv.h"
 #include "core/cpu.h"
+#include "core/max_pool.h"
 #include "core/pack_input.h"
 #include "core/packed_backprop.h"
 #include "core/plan.h"
@@ -586,6 +587,71 @@ REGISTER_KERNEL_BUILDER(Name("TapehookEstimatorGradHalf").Device(DEVICE_CPU),
                         EstimatorGradHalfOp);
 REGISTER_KERNEL_BUILDER(Name("TapehookScaleByHalf").Device(DEVICE_CPU),
                         ScaleByHalfOp);
+
+REGISTER_OP("TapehookMaxPoolArgmax")
+    .Input("input: float")
+    .Output("output: float")
+    .Output("argmax: int32")
+    .Attr("ksize: list(int) >= 4")
+    .Attr("strides: list(int) >= 4")
+    .Attr("padding: {'SAME', 'VALID'}")
+    .SetShapeFn(shape_inference::MaxPoolShape)
+    .Doc(
+        "NHWC max pool and each window's argmax within its image, as "
+        "MaxPoolWithArgmax(include_batch_in_index=False) gives it "
+        "(core/max_pool.h).");
+
+class MaxPoolArgmaxOp : public OpKernel {
+ public:
+  explicit MaxPoolArgmaxOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    std::vector<int32_t> ksize, strides;
+    std::string padding;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("ksize", &ksize));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("strides", &strides));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("padding", &padding));
+    OP_REQUIRES(ctx,
+                ksize.size() == 4 && strides.size() == 4 && ksize[0] == 1 &&
+                    ksize[3] == 1 && strides[0] == 1 && strides[3] == 1,
+                errors::InvalidArgument(
+                    "ksize and strides are [1, h, w, 1] (NHWC, spatial only)"));
+    shape_.k_h = ksize[1];
+    shape_.k_w = ksize[2];
+    shape_.stride_h = strides[1];
+    shape_.stride_w = strides[2];
+    same_ = padding == "SAME";
+  }
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    OP_REQUIRES(ctx, x.dims() == 4,
+                errors::InvalidArgument("input must be NHWC, got shape ",
+                                        x.shape().DebugString()));
+    PoolShape s = shape_;
+    s.batch = x.dim_size(0);
+    s.in_h = x.dim_size(1);
+    s.in_w = x.dim_size(2);
+    s.channels = x.dim_size(3);
+    OP_REQUIRES(ctx, s.in_h * s.in_w * s.channels < (int64_t{1} << 31),
+                errors::InvalidArgument("an image of ", x.shape().DebugString(),
+                                        " has 2**31 elements or more: int32 "
+                                        "indices cannot address it"));
+    const std::string problem = ComputePoolGeometry(same_, &s);
+    OP_REQUIRES(ctx, problem.empty(), errors::InvalidArgument(problem));
+    TensorShape out_shape({s.batch, s.out_h, s.out_w, s.channels});
+    Tensor *y = nullptr, *argmax = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &y));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, out_shape, &argmax));
+    if (y->NumElements() == 0) return;
+    MaxPoolArgmax(s, x.flat<float>().data(), y->flat<float>().data(),
+                  argmax->flat<int32_t>().data(), ThreadPoolOf(ctx));
+  }
+
+ private:
+  PoolShape shape_;
+  bool same_ = false;
+};
+
+REGISTER_KERNEL_BUILDER(Name("TapehookMaxPoolArgmax").Device(DEVICE_CPU),
+                        MaxPoolArgmaxOp);
 
 // The backprops reading the input as packed bits (core/pack_input.h).
 template <typename T, bool kFilter>
