@@ -4,6 +4,8 @@ to binary16 instead of its float32 input. dW matches the reference; dX is
 the reference's dX_hat times the binary16-rounded e'(x), computed here from
 NumPy's own float16 rounding, in every execution mode and in Keras fit."""
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from conftest import (
     MODE_NAMES,
     TIERS,
     assert_close,
+    fit_mirrored,
     np_estimator_grad,
     random_inputs,
     run_in_tier,
@@ -212,8 +215,15 @@ def test_an_unknown_setting_says_the_choices(monkeypatch):
             tf.nn.conv2d(x, w, 1, "SAME")
 
 
-def _fit_weights(monkeypatch, pack_mode):
-    monkeypatch.setenv("TAPEHOOK_PACK_INPUTS", pack_mode)
+def _data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(16, 8, 8, 4)).astype(np.float32), rng.integers(0, 3, 16)
+
+
+def _compiled_model(pack_mode):
+    """A float stem, one approx_sign binary conv, a head; SGD. Sets
+    TAPEHOOK_PACK_INPUTS, which the binary conv reads when fit traces it."""
+    os.environ["TAPEHOOK_PACK_INPUTS"] = pack_mode
     keras.utils.set_random_seed(3)
     inputs = keras.Input((8, 8, 4))
     h = keras.layers.Conv2D(8, 3, padding="same", name="float_stem")(inputs)
@@ -226,9 +236,18 @@ def _fit_weights(monkeypatch, pack_mode):
     model.compile(
         keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     )
-    rng = np.random.default_rng(0)
-    data = rng.normal(size=(16, 8, 8, 4)).astype(np.float32)
-    labels = rng.integers(0, 3, 16)
+    return model
+
+
+def mirrored_variants():
+    """For tests/helpers/mirrored_fit.py: the model with each setting."""
+    return {mode: lambda mode=mode: _compiled_model(mode) for mode in ("1", "float16")}
+
+
+def _fit_weights(monkeypatch, pack_mode):
+    monkeypatch.setenv("TAPEHOOK_PACK_INPUTS", pack_mode)  # restored after the test
+    model = _compiled_model(pack_mode)
+    data, labels = _data()
     history = model.fit(data, labels, batch_size=8, epochs=2, verbose=0, shuffle=False)
     return history.history["loss"], [v.numpy() for v in model.trainable_variables]
 
@@ -267,3 +286,15 @@ def test_the_stock_route_widens_the_kept_derivative(float16_mode, monkeypatch, m
     dx16, _, want_dw = _reference(x.numpy(), w0.numpy(), spec, g, [1, 1, 1, 1])
     np.testing.assert_allclose(dx, dx16, rtol=1e-5, atol=1e-6 * np.abs(dx16).max())
     assert_close(dw, want_dw, what="dW")
+
+
+@pytest.mark.slow
+def test_mirrored_fit_trains_as_with_float32_inputs():
+    """Keras fit under MirroredStrategy (2 logical CPUs, a fresh process):
+    the binary16 setting's weights within its rounding of the float32 ones,
+    and not equal to them (the setting took effect in the replicas)."""
+    out = fit_mirrored("test_pack_float16")
+    assert len(out["float16"]) == len(out["1"]) > 0
+    for a, b in zip(out["float16"], out["1"]):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
+    assert any(not np.array_equal(a, b) for a, b in zip(out["float16"], out["1"]))
