@@ -498,9 +498,10 @@ class MaxPooling2D(keras.layers.MaxPooling2D):
     maximum of a window in row-major order gets the gradient, as in
     MaxPoolGrad) where TF runs its own MaxPoolGrad; with oneDNN on, a graph's
     MaxPoolGrad is rewritten to oneDNN's, which adds overlapping windows'
-    gradients in another order (equal to float rounding). Inference calls, ``channels_first`` inputs, XLA-compiled
-    graphs (MaxPoolWithArgmax has no XLA kernel) and input dtypes other than
-    float16 / bfloat16 / float32 / float64 run Keras's layer, as does
+    gradients in another order (equal to float rounding). Inference calls,
+    ``channels_first`` inputs, XLA-compiled graphs (MaxPoolWithArgmax has no
+    XLA kernel) and input dtypes other than float16 / bfloat16 / float32 /
+    float64 run Keras's layer, as does
     ``save_argmax=False``. Second derivatives through the argmax path gather
     at the kept indices, as MaxPoolGradGrad does.
     """
