@@ -14,30 +14,6 @@
 
 namespace tapehook {
 
-const char* ComputePoolGeometry(bool same_padding, PoolShape* s) {
-  if (s->k_h < 1 || s->k_w < 1 || s->stride_h < 1 || s->stride_w < 1) {
-    return "pool size and strides must be positive";
-  }
-  if (same_padding) {
-    s->out_h = (s->in_h + s->stride_h - 1) / s->stride_h;
-    s->out_w = (s->in_w + s->stride_w - 1) / s->stride_w;
-    const int64_t pad_h =
-        std::max<int64_t>(0, (s->out_h - 1) * s->stride_h + s->k_h - s->in_h);
-    const int64_t pad_w =
-        std::max<int64_t>(0, (s->out_w - 1) * s->stride_w + s->k_w - s->in_w);
-    s->pad_top = pad_h / 2;
-    s->pad_left = pad_w / 2;
-  } else {
-    if (s->in_h < s->k_h || s->in_w < s->k_w) {
-      return "a VALID pool's window is larger than the image";
-    }
-    s->out_h = (s->in_h - s->k_h) / s->stride_h + 1;
-    s->out_w = (s->in_w - s->k_w) / s->stride_w + 1;
-    s->pad_top = s->pad_left = 0;
-  }
-  return "";
-}
-
 namespace {
 
 // One output element's channels: the first tap, then every later one.
@@ -104,9 +80,9 @@ __attribute__((target("avx2"))) void MaxTap256(const float* __restrict tap,
 
 }  // namespace
 
-void MaxPoolArgmax(const PoolShape& s, const float* x, float* y,
+void MaxPoolArgmax(const ConvShape& s, const float* x, float* y,
                    int32_t* argmax, const ParallelFor& parallel_for) {
-  const int64_t c = s.channels, row = s.in_w * c;
+  const int64_t c = s.in_c, row = s.in_w * c;
   const int64_t taps = s.k_h * s.k_w;
   auto* later = &MaxTap;
 #if TAPEHOOK_HAVE_POOL_SIMD

@@ -15,17 +15,10 @@
 
 namespace tapehook {
 
-struct PoolShape {
-  int64_t batch = 0, in_h = 0, in_w = 0, channels = 0;
-  int64_t k_h = 0, k_w = 0, stride_h = 0, stride_w = 0;
-  int64_t pad_top = 0, pad_left = 0, out_h = 0, out_w = 0;
-};
-
-// Fills out_h / out_w / pad_top / pad_left for SAME (same_padding) or VALID
-// as TF computes them; returns "" or what is wrong.
-const char* ComputePoolGeometry(bool same_padding, PoolShape* s);
-
-void MaxPoolArgmax(const PoolShape& s, const float* x, float* y,
+// s: a pool's geometry as a conv's (geometry.h's ComputeConvGeometry with
+// the pool's window as the filter, dilation 1): in_c is the channels; out_c
+// plays no part.
+void MaxPoolArgmax(const ConvShape& s, const float* x, float* y,
                    int32_t* argmax, const ParallelFor& parallel_for);
 
 }  // namespace tapehook

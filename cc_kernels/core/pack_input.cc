@@ -1,5 +1,6 @@
 #include "pack_input.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -301,20 +302,31 @@ __attribute__((target("avx2,f16c"))) void ScaleHalf256(const float* grad,
 // Elements per ParallelFor unit (and its cost): whole vectors per unit.
 constexpr int64_t kHalfBlock = 4096;
 
+// fn(lo, hi) over [0, n), kHalfBlock elements per ParallelFor unit.
+template <typename Fn>
+void ForHalfBlocks(int64_t n, const ParallelFor& parallel_for, Fn fn) {
+  const int64_t blocks = (n + kHalfBlock - 1) / kHalfBlock;
+  parallel_for(blocks, kHalfBlock * 2, [&](int64_t begin, int64_t end) {
+    fn(begin * kHalfBlock, std::min(end * kHalfBlock, n));
+  });
+}
+
+// The binary16 loops' tier: 0 portable, 1 F16C, 2 AVX-512F.
+int HalfTier() {
+#if TAPEHOOK_HAVE_HALF_SIMD
+  return cpu::UnpackInput512() ? 2 : cpu::HalfConvert256() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
 }  // namespace
 
 void EstimatorGradHalf(const float* x, int64_t n, Estimator estimator,
                        uint16_t* half, const ParallelFor& parallel_for) {
-  int tier = 0;  // 0 portable, 1 F16C, 2 AVX-512F
-#if TAPEHOOK_HAVE_HALF_SIMD
-  if (estimator == Estimator::kApproxSign) {
-    tier = cpu::UnpackInput512() ? 2 : cpu::HalfConvert256() ? 1 : 0;
-  }
-#endif
-  const int64_t blocks = (n + kHalfBlock - 1) / kHalfBlock;
-  parallel_for(blocks, kHalfBlock * 2, [&](int64_t begin, int64_t end) {
-    const int64_t lo = begin * kHalfBlock;
-    const int64_t hi = end * kHalfBlock < n ? end * kHalfBlock : n;
+  // The vector loops compute approx_sign's e'; swish_sign's is per element.
+  const int tier = estimator == Estimator::kApproxSign ? HalfTier() : 0;
+  ForHalfBlocks(n, parallel_for, [&](int64_t lo, int64_t hi) {
 #if TAPEHOOK_HAVE_HALF_SIMD
     if (tier == 2) return ApproxHalf512(x + lo, hi - lo, half + lo);
     if (tier == 1) return ApproxHalf256(x + lo, hi - lo, half + lo);
@@ -327,14 +339,8 @@ void EstimatorGradHalf(const float* x, int64_t n, Estimator estimator,
 
 void ScaleByHalf(const float* grad, const uint16_t* half, int64_t n, float* out,
                  const ParallelFor& parallel_for) {
-  int tier = 0;
-#if TAPEHOOK_HAVE_HALF_SIMD
-  tier = cpu::UnpackInput512() ? 2 : cpu::HalfConvert256() ? 1 : 0;
-#endif
-  const int64_t blocks = (n + kHalfBlock - 1) / kHalfBlock;
-  parallel_for(blocks, kHalfBlock * 2, [&](int64_t begin, int64_t end) {
-    const int64_t lo = begin * kHalfBlock;
-    const int64_t hi = end * kHalfBlock < n ? end * kHalfBlock : n;
+  const int tier = HalfTier();
+  ForHalfBlocks(n, parallel_for, [&](int64_t lo, int64_t hi) {
 #if TAPEHOOK_HAVE_HALF_SIMD
     if (tier == 2) return ScaleHalf512(grad + lo, half + lo, hi - lo, out + lo);
     if (tier == 1) return ScaleHalf256(grad + lo, half + lo, hi - lo, out + lo);

@@ -625,18 +625,22 @@ class MaxPoolArgmaxOp : public OpKernel {
     OP_REQUIRES(ctx, x.dims() == 4,
                 errors::InvalidArgument("input must be NHWC, got shape ",
                                         x.shape().DebugString()));
-    PoolShape s = shape_;
+    ConvShape s = shape_;
     s.batch = x.dim_size(0);
     s.in_h = x.dim_size(1);
     s.in_w = x.dim_size(2);
-    s.channels = x.dim_size(3);
-    OP_REQUIRES(ctx, s.in_h * s.in_w * s.channels < (int64_t{1} << 31),
+    OP_REQUIRES(ctx, s.in_h * s.in_w * x.dim_size(3) < (int64_t{1} << 31),
                 errors::InvalidArgument("an image of ", x.shape().DebugString(),
                                         " has 2**31 elements or more: int32 "
                                         "indices cannot address it"));
-    const std::string problem = ComputePoolGeometry(same_, &s);
+    // The conv geometry with the window as filter (channels play no part:
+    // 1 passes its filter check also for an input without channels).
+    s.in_c = s.out_c = 1;
+    const std::string problem = ComputeConvGeometry(
+        same_ ? Padding::kSame : Padding::kValid, 0, 0, 0, 0, &s);
     OP_REQUIRES(ctx, problem.empty(), errors::InvalidArgument(problem));
-    TensorShape out_shape({s.batch, s.out_h, s.out_w, s.channels});
+    s.in_c = s.out_c = x.dim_size(3);
+    TensorShape out_shape({s.batch, s.out_h, s.out_w, s.in_c});
     Tensor *y = nullptr, *argmax = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &y));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, out_shape, &argmax));
@@ -646,7 +650,7 @@ class MaxPoolArgmaxOp : public OpKernel {
   }
 
  private:
-  PoolShape shape_;
+  ConvShape shape_;  // the window and strides
   bool same_ = false;
 };
 
