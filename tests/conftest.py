@@ -233,6 +233,20 @@ def fit_mirrored(module):
     return {name: [np.array(w) for w in weights] for name, weights in out.items()}
 
 
+def conv_gradient_graph(w, x_shape):
+    """The graph of a tf.function taking d/d(x, w) of sum(conv2d(x, w)^2)
+    (stride 1, SAME) for a float32 x of ``x_shape`` (its graph.inputs[0])."""
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(tf.nn.conv2d(x, w, 1, "SAME") ** 2)
+        return tape.gradient(loss, [x, w])
+
+    return step.get_concrete_function(tf.TensorSpec(x_shape)).graph
+
+
 TIERS = ("best", "no_avx512", "portable")
 
 

@@ -13,7 +13,7 @@ import tensorflow as tf
 import tapehook
 from tapehook import kernels, packing
 
-from conftest import assert_close, random_inputs, reference_result, upstream
+from conftest import assert_close, conv_gradient_graph, random_inputs, reference_result, upstream
 
 
 def test_float_input_is_not_kept_by_the_tape():
@@ -54,15 +54,7 @@ def test_pack_round_trip(channels, dtype):
 def test_graph_backward_reads_the_bits_not_the_input():
     _, w0 = random_inputs((1, 1, 1, 3), (3, 3, 3, 4))
     w = tapehook.mark_binary(tf.Variable(w0), activations=True)
-
-    @tf.function
-    def step(x):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            loss = tf.reduce_sum(tf.nn.conv2d(x, w, 1, "SAME") ** 2)
-        return tape.gradient(loss, [x, w])
-
-    graph = step.get_concrete_function(tf.TensorSpec([2, 6, 6, 3])).graph
+    graph = conv_gradient_graph(w, [2, 6, 6, 3])
     x_input = graph.inputs[0]
     backprops = [
         op for op in graph.get_operations() if op.type.startswith("TapehookBinaryConv2DBackprop")

@@ -18,6 +18,7 @@ from conftest import (
     MODE_NAMES,
     TIERS,
     assert_close,
+    conv_gradient_graph,
     fit_mirrored,
     np_estimator_grad,
     random_inputs,
@@ -170,15 +171,7 @@ def test_the_backward_reads_no_float_input(float16_mode):
     the only readers of x are the forward, the packing and e'(x)."""
     _, w0 = random_inputs((1, 1, 1, 6), (3, 3, 6, 4))
     w = tapehook.mark_binary(tf.Variable(w0), activations="approx_sign")
-
-    @tf.function
-    def step(x):
-        with tf.GradientTape() as tape:
-            tape.watch(x)
-            loss = tf.reduce_sum(tf.nn.conv2d(x, w, 1, "SAME") ** 2)
-        return tape.gradient(loss, [x, w])
-
-    graph = step.get_concrete_function(tf.TensorSpec([2, 6, 6, 6])).graph
+    graph = conv_gradient_graph(w, [2, 6, 6, 6])
     readers = {op.type for op in graph.inputs[0].consumers()}
     assert readers == {"TapehookBinaryConv2D", "TapehookPackInput", "TapehookEstimatorGradHalf"}
     types = {op.type for op in graph.get_operations()}
