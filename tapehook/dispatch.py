@@ -27,8 +27,7 @@ TF with oneDNN on and off (docs/performance.md):
   tapehook's kernels, which run them as exact bf16x3 AMX GEMMs
   (cc_kernels/core/amx_conv.h) — except the dW of a weight-only conv (float x
   times float dy, six bf16 products per term) when TF runs oneDNN, whose
-  backprop-filter is then faster, and a binary-input dW that gets x as
-  floats (not as packed bits) over images under DW_MIN_IMAGE_PIXELS;
+  backprop-filter is then faster;
 - otherwise, forward with float activations: stock Conv2D on sign(W), then
   alpha; our AVX2 float kernels reached 0.5-0.8x of TF's AVX-512/oneDNN
   convolutions;
@@ -40,8 +39,8 @@ TF with oneDNN on and off (docs/performance.md):
   one of the 16 signed sums of 4 float values per lane, 64 multiply-adds per
   permute and add against 16 per FMA; 1.6-3.0x of oneDNN's float backprops
   at the Bi-Real-Net and QuickNet shapes, batch 32 (bench/lut_backprop/);
-  also on AMX CPUs where the image is under AMX_MIN_IMAGE_PIXELS pixels (7x7,
-  4x4), where they beat the AMX GEMMs;
+  also dX on AMX CPUs where the image is under AMX_MIN_IMAGE_PIXELS pixels
+  (7x7, 4x4), where it beats the AMX GEMM;
 - otherwise, where TF runs Eigen's convolutions (oneDNN off, as TF sets it
   on AVX2 CPUs), plan ``avx2``: dX on tapehook's AVX2 GEMM, 1.0-4.4x of
   Eigen's backprop-input at the Bi-Real-Net and QuickNet shapes, and a
@@ -77,19 +76,15 @@ def policy() -> str:
 # 1x1: forward 1.2-1.3x, dX 1.2x, a float-input dW 0.96-1.07x.
 AMX_MIN_TAPS = 4
 AMX_MIN_PIXELS = 128
-# A dW whose input reaches it as floats (binary activations not kept as packed
-# bits: approx_sign / swish_sign, or TAPEHOOK_PACK_INPUTS=0) over images of
-# fewer pixels than this: stock. Bench, batch 16: 7x7x512 0.82-0.94x (oneDNN
-# on) and 0.82-1.06x (off); 14x14x256 1.3x and 2.1x. From packed bits our dW
-# wins everywhere (7x7x512: 1.7x on, 2.0x off), stock having to unpack first.
-DW_MIN_IMAGE_PIXELS = 100
-# On an AMX CPU, a backprop with a ±1 operand (dX; dW with binary
-# activations) over images of fewer pixels than this runs on the AVX-512
-# sign-table kernels, not the AMX GEMMs (whose fixed preparation of the float
-# operand does not pay there). Bench (bench/results/backprops_amx.json, batch
-# 32, 3x3): 7x7x256 dX 1.18x, dW 1.25x; 4x4x512 dX 1.7x, dW 2.4x; 7x7x512
-# dX 1.25x, dW 1.05x, sign-table over AMX. At 14x14 and larger the two are
-# within +-15 % of each other, AMX ahead for dX: AMX stays.
+# On an AMX CPU, a dX with sign W over images of fewer pixels than this runs
+# on the AVX-512 sign-table kernel, not the AMX GEMM (whose fixed preparation
+# of the float dy does not pay there). Bench (bench/results/backprops_amx.json,
+# batch 32, 3x3, min / median): sign-table over AMX 7x7x256 1.18x / 1.19x,
+# 4x4x512 1.44x / 1.59x, 7x7x512 1.15x; from 14x14 on AMX is ahead. A
+# binary-input dW stays on AMX at every size, from floats or packed bits:
+# 1.08-1.28x the sign-table kernel at 7x7 and 4x4 since the AMX dW's dy
+# layout stopped overfilling L2 sets (before, it ran 1.05-2.4x slower there,
+# and this rule sent dW to the sign tables too).
 AMX_MIN_IMAGE_PIXELS = 100
 
 
@@ -189,12 +184,9 @@ def choose(
         image is not None
         and image < AMX_MIN_IMAGE_PIXELS
         and otherwise != STOCK
-        and (binary_input or not filter_grad)
+        and not filter_grad
     ):
-        return otherwise  # the sign-table kernels beat AMX on small images
-    small_for_dw = image is not None and image < DW_MIN_IMAGE_PIXELS
-    if filter_grad and binary_input and not packed and small_for_dw:
-        return otherwise
+        return otherwise  # the sign-table dX beats AMX's on small images
     # dW of a weight-only conv is float x float: no exact operand, so AMX needs
     # six bf16 products per term, slower than oneDNN's backprop-filter.
     if filter_grad and not binary_input and onednn:

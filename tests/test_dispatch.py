@@ -226,10 +226,10 @@ TABLE = [
     # dW: 1x1 from floats not on AMX (sign-table), from packed bits on AMX
     (DW, SAME, BIG, K1, True, False, AMX, "auto", True, "avx512"),
     (DW, SAME, BIG, K1, True, True, AMX, "auto", True, "amx"),
-    # backprops with a ±1 operand over small images (7x7, 4x4): the
-    # sign-table kernels beat AMX, dX and dW (from floats or packed bits) ...
-    (DW, SAME, TINY_IMAGE, K3, True, False, AMX, "auto", True, "avx512"),
-    (DW, SAME, TINY_IMAGE, K3, True, True, AMX, "auto", True, "avx512"),
+    # dX over small images (7x7, 4x4): the sign-table kernel beats AMX's;
+    # a binary-input dW (from floats or packed bits) stays on AMX ...
+    (DW, SAME, TINY_IMAGE, K3, True, False, AMX, "auto", True, "amx"),
+    (DW, SAME, TINY_IMAGE, K3, True, True, AMX, "auto", True, "amx"),
     (DX, SAME, TINY_IMAGE, K3, True, False, AMX, "auto", True, "avx512"),
     (DX, SAME, TINY_IMAGE, K3, False, False, AMX, "auto", True, "avx512"),
     (DX, SAME, TINY_IMAGE, K3, True, True, AMX, "auto", False, "avx512"),

@@ -20,17 +20,27 @@ namespace amx {
 
 // ---------------------------------------------------------------------------
 // Shifted GEMM: C[q, o] = sum_t sum_k A[q + off[t], k] * B_t[k, o].
-// A: rows of 3 * kp bf16 (kp % 32 == 0): the hi, mid and lo parts of one
-// pixel's k values, each part zero-padded to kp. The parts multiply the same
-// B, so B_t is [kp, o] and each B tile is loaded once for three A tiles.
-// B: [o_pairs][taps][kp / 32][2 tiles][16 k-pairs][16 cols][2] (AMX's
-// pair-interleaved layout), so one o pair's B is contiguous.
+// A: rows of 3 * kp bf16 (kp % 32 == 0; ARowStride apart): the hi, mid and lo
+// parts of one pixel's k values, each part zero-padded to kp. The parts
+// multiply the same B, so B_t is [kp, o] and each B tile is loaded once for
+// three A tiles. B: [o_pairs][taps][kp / 32][2 tiles][16 k-pairs][16 cols][2]
+// (AMX's pair-interleaved layout), so one o pair's B is contiguous.
 //
 // A is never materialized: each thread splits the rows it needs into a
 // window of a few hundred KiB via fill(r0, r1, dst), so A stays in L2 and
 // costs a read of the float input instead of a write and reads of 1.5x its
 // size. Units walk all q for a group of o pairs whose B fills about 1 MiB of
 // L2, then the next group (which splits the rows again).
+// A's row stride in bf16 values: the 3 * kp of a row, plus one 64-byte
+// line where that is an even number of lines. The rows of an A tile are
+// then an odd number of lines apart and fall into 16 different L1 sets; at
+// 3 * kp * 2 bytes (kp = 512: 48 lines) they fell into 4, and the forward
+// and backprop-input re-read A from L2 (bench/backprops.py, 7x7x512).
+inline int64_t ARowStride(int64_t kp) {
+  const int64_t lines = 3 * kp / 32;
+  return (lines % 2 == 0 ? lines + 1 : lines) * 32;
+}
+
 struct ShiftedGemm {
   int64_t kp;
   const int64_t* off;
@@ -76,7 +86,7 @@ TAPEHOOK_AMX inline void ShiftedGemmUnits(const ShiftedGemm& g, int64_t u0,
                                           int64_t u1, const BlockStore& store) {
   ConfigureTiles();
   alignas(64) float c[4][256];
-  const int64_t chunks = g.kp / 32, ka = 3 * g.kp, lda = ka * 2;
+  const int64_t chunks = g.kp / 32, ka = ARowStride(g.kp), lda = ka * 2;
   const int64_t win_rows = 32 * WindowPairs(ka) + g.max_off;
   Buffer win(win_rows * ka);
   int64_t win_begin = 0, win_end = 0;  // rows held by the window
@@ -222,7 +232,7 @@ inline std::unique_ptr<Buffer> SignB(const float* w, int64_t taps, int64_t C,
 inline void FillSplitRange(const Grid& grid, const float* data,
                            const float* scale, int64_t channels, int64_t kp,
                            int64_t r0, int64_t r1, uint16_t* dst) {
-  const int64_t ka = 3 * kp;
+  const int64_t ka = ARowStride(kp);
   grid.Walk(r0, r1 - r0, /*data=*/true, [&](int64_t i, int64_t p) {
     uint16_t* row = dst + i * ka;
     if (p < 0) {
@@ -324,7 +334,7 @@ inline void StoreRows(const Grid& grid, int64_t q0, const float (*c)[256],
 struct FilterGemm {
   const uint16_t* const* x_parts;  // [c_pad][qa] each
   int64_t qa;
-  const uint16_t* const* d_parts;  // [q_len / 2][o_pad][2] each
+  const uint16_t* const* d_parts;  // [o_pad / 32][q_len / 2][32][2] each
   int64_t o_pad, q_len, kblock;
   const int64_t* off;
   int64_t taps, c_pairs, o_pairs;
@@ -348,7 +358,7 @@ struct FilterGemm {
 TAPEHOOK_AMX inline void FilterGemmItems(const FilterGemm& g, int64_t i0,
                                          int64_t i1) {
   ConfigureTiles();
-  const int64_t lda = g.qa * 2, ldb = g.o_pad * 4;
+  const int64_t lda = g.qa * 2, ldb = 32 * 4;
   const int64_t units = g.taps * g.c_pairs * g.o_pairs;
   alignas(64) float sums[1024];
   const int64_t c_groups = (g.c_pairs + g.c_group - 1) / g.c_group;
@@ -356,7 +366,6 @@ TAPEHOOK_AMX inline void FilterGemmItems(const FilterGemm& g, int64_t i0,
     const int64_t cg = item % c_groups, rest = item / c_groups;
     const int64_t kb = rest / g.o_pairs, op = rest % g.o_pairs;
     const int64_t k0 = kb * g.kblock, k1 = std::min(g.q_len, k0 + g.kblock);
-    const int64_t o0 = op * 32;
     const int64_t cp1 = std::min(g.c_pairs, (cg + 1) * g.c_group);
     for (int64_t t = 0; t < g.taps; ++t) {
       for (int64_t cp = cg * g.c_group; cp < cp1; ++cp) {
@@ -376,7 +385,7 @@ TAPEHOOK_AMX inline void FilterGemmItems(const FilterGemm& g, int64_t i0,
               _tile_loadd(5, xa + 16 * g.qa, lda);
             }
             const uint16_t* db =
-                g.d_parts[g.d_of[i]] + q0 / 2 * g.o_pad * 2 + o0 * 2;
+                g.d_parts[g.d_of[i]] + op * g.q_len * 32 + q0 / 2 * 64;
             _tile_loadd(6, db, ldb);
             _tile_loadd(7, db + 32, ldb);
             _tile_dpbf16ps(0, 4, 6);
