@@ -945,6 +945,7 @@ def main():
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--profile-estimators", default="approx_sign,ste_sign")
     parser.add_argument("--profile-impl", default="tapehook-fused", choices=TAPEHOOK_IMPLS)
+    parser.add_argument("--profile-size", type=int, default=112, choices=(112, 224))
     parser.add_argument("--profile-only", action="store_true")
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument(
@@ -1073,7 +1074,7 @@ def main():
                 model="birealnet18",
                 impl=args.profile_impl,
                 estimator=est,
-                size=112,
+                size=args.profile_size,
                 batch=32,
                 train_steps=(2, 2),
                 predict_steps=(1, 1),
@@ -1087,7 +1088,7 @@ def main():
             profiles.append(
                 {
                     "model": "birealnet18",
-                    "size": 112,
+                    "size": args.profile_size,
                     "batch": 32,
                     "impl": args.profile_impl,
                     "estimator": est,
@@ -1095,7 +1096,10 @@ def main():
                     "dispatch_counts": r["dispatch_counts"],
                 }
             )
-            print(f"\nBi-Real-Net-18, {args.profile_impl}, {est} inputs, batch 32, 112 px:")
+            print(
+                f"\nBi-Real-Net-18, {args.profile_impl}, {est} inputs, batch 32, "
+                f"{args.profile_size} px:"
+            )
             print_profile(profiles[-1])
 
     meta["load_end"] = os.getloadavg()

@@ -48,6 +48,13 @@ class ScratchPool {
  public:
   static constexpr size_t kPoolBytes = size_t{512} << 20;
 
+  ScratchPool() = default;
+  ScratchPool(const ScratchPool&) = delete;
+  ScratchPool& operator=(const ScratchPool&) = delete;
+  ~ScratchPool() {  // blocks still handed out are their takers' to give
+    for (const auto& block : free_) std::free(block.second);
+  }
+
   void* Take(size_t bytes) {
     std::lock_guard<std::mutex> lock(mu_);
     size_t best = free_.size();

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "cc_kernels/core/amx_conv.h"
+#include "cc_kernels/core/amx_runtime.h"
 #include "cc_kernels/core/binary_conv.h"
 #include "cc_kernels/core/cpu.h"
 #include "cc_kernels/core/pack_input.h"
@@ -357,11 +358,31 @@ void TestKeptForwardFilter(std::mt19937_64& rng) {
         "kept forward filter: refused for another geometry");
 }
 
+// The scratch pool hands a block out again at its own size, not at the size
+// of the request it last served, and spends no block on a request of less
+// than half its size.
+void TestScratchPool() {
+  tapehook::amx::ScratchPool pool;
+  const size_t big = size_t{8} << 20, small = size_t{64} << 10;
+  void* b = pool.Take(big);
+  pool.Give(b, big);
+  void* half = pool.Take(big / 2 + 4096);
+  Check(half == b, "pool: a request of over half a free block's size");
+  pool.Give(half, big / 2 + 4096);
+  void* again = pool.Take(big);
+  Check(again == b, "pool: a block lost its size to a smaller request");
+  pool.Give(again, big);
+  void* s = pool.Take(small);
+  Check(s != b, "pool: a block spent on a request under half its size");
+  pool.Give(s, small);
+}
+
 }  // namespace
 
 int main() {
   std::mt19937_64 rng(20261130);
   const bool amx = tapehook::amx::Usable();
+  TestScratchPool();
   TestPackedBackprops(rng, 60);
   if (amx) {  // once more on the non-AMX kernels
     tapehook::cpu::SetSwitchesForTest(kNoAmx);
