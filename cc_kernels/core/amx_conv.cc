@@ -263,29 +263,6 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
         }
       });
 
-  // dy on the grid, split, pair-interleaved and blocked by 32 channels:
-  // d_parts[i][o / 32][q / 2][o % 32][q % 2]. An item reads one block, so
-  // its columns are one contiguous run per part. (Rows of all o_pad
-  // channels put an item's 128-byte slices o_pad * 4 bytes apart: from 128
-  // channels on, the three parts' slices then fell into more lines per L2
-  // set than it has ways, and dW ran 1.4-1.9x slower.)
-  std::vector<std::unique_ptr<Buffer>> db;
-  std::vector<const uint16_t*> d_parts;
-  for (int i = 0; i < 3; ++i) {
-    db.emplace_back(new Buffer(q_len * o_pad));
-    d_parts.push_back(db.back()->p);
-  }
-  uint16_t* d_out[3] = {db[0]->p, db[1]->p, db[2]->p};
-  const int64_t d_block = q_len * 32;  // one block of 32 channels, per part
-  parallel_for(q_len / 2, 2 * o_pad, [&](int64_t p0, int64_t p1) {
-    for (int64_t pr = p0; pr < p1; ++pr) {
-      const int64_t a = grid.OutPixel(2 * pr), b = grid.OutPixel(2 * pr + 1);
-      InterleaveSplitPair(a < 0 ? nullptr : dy + a * O,
-                          b < 0 ? nullptr : dy + b * O, O, o_pad, pr * 64,
-                          d_block, d_out);
-    }
-  });
-
   static const int kBinX[] = {0, 0, 0}, kBinD[] = {0, 1, 2};
   static const int kFloatX[] = {0, 0, 0, 1, 1, 2},
                    kFloatD[] = {0, 1, 2, 0, 1, 0};
@@ -339,8 +316,22 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
   FilterGemm g;
   g.x_parts = x_parts.data();
   g.qa = qa;
-  g.d_parts = d_parts.data();
-  g.o_pad = o_pad;
+  // Each item splits its own 32 channels of dy on its k block into its
+  // thread's buffer, pair-interleaved: [part][q / 2][32][2], one contiguous
+  // run per part that stays in L2 for every tap and c pair of the item.
+  // (Splitting all of dy up front wrote and re-read 1.5x its size through
+  // memory: 41 MB at a 56x56x64 layer of batch 32; and rows of all o_pad
+  // channels put an item's slices o_pad * 4 bytes apart, which from 128
+  // channels on overfilled L2 sets, dW running 1.4-1.9x slower.)
+  g.fill_d = [&](int64_t q0, int64_t q1, int64_t op, uint16_t* const* out) {
+    const int64_t o0 = op * 32, n = std::min<int64_t>(32, O - o0);
+    for (int64_t pr = q0 / 2; pr < q1 / 2; ++pr) {
+      const int64_t a = grid.OutPixel(2 * pr), b = grid.OutPixel(2 * pr + 1);
+      InterleaveSplitPair(a < 0 ? nullptr : dy + a * O + o0,
+                          b < 0 ? nullptr : dy + b * O + o0, n, 32,
+                          (pr - q0 / 2) * 64, out);
+    }
+  };
   g.q_len = q_len;
   g.kblock = kblock;
   g.off = tp.off.data();

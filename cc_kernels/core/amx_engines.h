@@ -330,12 +330,14 @@ inline void StoreRows(const Grid& grid, int64_t q0, const float (*c)[256],
 // ---------------------------------------------------------------------------
 // Backprop filter: dW_t[c, o] = sum_q X[c, q + off[t]] * D[q, o], X being
 // x_hat on the grid transposed (rows = channels), D being dy on the grid
-// in pair-interleaved rows: [q / 2][o_pad][2].
+// split into bf16 parts, each item's slice made by fill_d.
 struct FilterGemm {
   const uint16_t* const* x_parts;  // [c_pad][qa] each
   int64_t qa;
-  const uint16_t* const* d_parts;  // [o_pad / 32][q_len / 2][32][2] each
-  int64_t o_pad, q_len, kblock;
+  // fill_d(q0, q1, op, out): parts of dy at grid rows [q0, q1), channels
+  // [32 op, 32 op + 32), pair-interleaved: out[i][(q - q0) / 2][32][2].
+  std::function<void(int64_t, int64_t, int64_t, uint16_t* const*)> fill_d;
+  int64_t q_len, kblock;
   const int64_t* off;
   int64_t taps, c_pairs, o_pairs;
   int64_t c_group;  // c pairs per item
@@ -362,10 +364,18 @@ TAPEHOOK_AMX inline void FilterGemmItems(const FilterGemm& g, int64_t i0,
   const int64_t units = g.taps * g.c_pairs * g.o_pairs;
   alignas(64) float sums[1024];
   const int64_t c_groups = (g.c_pairs + g.c_group - 1) / g.c_group;
+  Buffer d_buf(3 * g.kblock * 32);
+  uint16_t* const d_parts[3] = {d_buf.p, d_buf.p + g.kblock * 32,
+                                d_buf.p + 2 * g.kblock * 32};
+  int64_t filled = -1;  // the (k block, o pair) d_parts holds
   for (int64_t item = i0; item < i1; ++item) {
     const int64_t cg = item % c_groups, rest = item / c_groups;
     const int64_t kb = rest / g.o_pairs, op = rest % g.o_pairs;
     const int64_t k0 = kb * g.kblock, k1 = std::min(g.q_len, k0 + g.kblock);
+    if (rest != filled) {
+      g.fill_d(k0, k1, op, d_parts);
+      filled = rest;
+    }
     const int64_t cp1 = std::min(g.c_pairs, (cg + 1) * g.c_group);
     for (int64_t t = 0; t < g.taps; ++t) {
       for (int64_t cp = cg * g.c_group; cp < cp1; ++cp) {
@@ -384,8 +394,7 @@ TAPEHOOK_AMX inline void FilterGemmItems(const FilterGemm& g, int64_t i0,
               _tile_loadd(4, xa, lda);
               _tile_loadd(5, xa + 16 * g.qa, lda);
             }
-            const uint16_t* db =
-                g.d_parts[g.d_of[i]] + op * g.q_len * 32 + q0 / 2 * 64;
+            const uint16_t* db = d_parts[g.d_of[i]] + (q0 - k0) / 2 * 64;
             _tile_loadd(6, db, ldb);
             _tile_loadd(7, db + 32, ldb);
             _tile_dpbf16ps(0, 4, 6);

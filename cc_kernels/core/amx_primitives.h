@@ -137,8 +137,6 @@ TAPEHOOK_AMX inline void SignRow512(const float* v, int64_t n, uint16_t* out) {
 }
 #endif
 
-// out[0, 32) = bf16 sign of channels [c0, c0 + n) from packed sign bits
-// (pack_input.h: channel c is bit 7 - 2 (c % 4) of byte c / 4), then zeros.
 // kSignQuad[b]: the four bf16 signs of packed byte b, channel i in bits
 // [16 i, 16 i + 16) (little-endian: out[i] once stored).
 struct SignQuadTable {
@@ -157,6 +155,8 @@ struct SignQuadTable {
 };
 inline constexpr SignQuadTable kSignQuad{};
 
+// out[0, 32) = bf16 sign of channels [c0, c0 + n) from packed sign bits
+// (pack_input.h: channel c is bit 7 - 2 (c % 4) of byte c / 4), then zeros.
 [[maybe_unused]] inline void SignRowFromBits(const uint8_t* bits, int64_t c0,
                                              int64_t n, uint16_t* out) {
   // Whole bytes by table (c0 is a multiple of 4); then -1 with its sign bit
@@ -237,28 +237,17 @@ inline void StoreMaskedRow(const float* left, const float* right, int64_t n,
   SignRowPortable(v, n, out);
 }
 
-// Where value o of a pair's row e goes in a part: channels in blocks of 32,
-// each block its own run of block_stride values (blocks of 32 channels by
-// every pair), so one block's column over many pairs is contiguous.
-inline int64_t PairSlot(int64_t o, int e, int64_t base, int64_t block_stride) {
-  return o / 32 * block_stride + base + 2 * (o % 32) + e;
-}
-
-// out[i][PairSlot(o, e, base, block_stride)] = part i of row e's value o
-// (rows may be null: zeros), for o < n_pad (a multiple of 32); values past
-// n are zero.
+// out[i][base + 2 o + e] = part i of row e's value o (rows may be null:
+// zeros), for o < n_pad; values past n are zero.
 inline void InterleaveSplitPairPortable(const float* r0, const float* r1,
                                         int64_t n, int64_t n_pad, int64_t base,
-                                        int64_t block_stride,
                                         uint16_t* const* out) {
   for (int64_t o = 0; o < n_pad; ++o) {
     for (int e = 0; e < 2; ++e) {
       const float* r = e == 0 ? r0 : r1;
       uint16_t part[3] = {0, 0, 0};
       if (r != nullptr && o < n) Split3(r[o], &part[0], &part[1], &part[2]);
-      for (int i = 0; i < 3; ++i) {
-        out[i][PairSlot(o, e, base, block_stride)] = part[i];
-      }
+      for (int i = 0; i < 3; ++i) out[i][base + 2 * o + e] = part[i];
     }
   }
 }
@@ -269,7 +258,6 @@ inline void InterleaveSplitPairPortable(const float* r0, const float* r1,
 TAPEHOOK_AMX inline void InterleaveSplitPair512(const float* r0,
                                                 const float* r1, int64_t n,
                                                 int64_t n_pad, int64_t base,
-                                                int64_t block_stride,
                                                 uint16_t* const* out) {
   const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t o = 0; o < n_pad; o += 16) {
@@ -293,7 +281,7 @@ TAPEHOOK_AMX inline void InterleaveSplitPair512(const float* r0,
     for (int i = 0; i < 3; ++i) {
       const __m512i word =
           _mm512_or_si512(_mm512_srli_epi32(parts[0][i], 16), parts[1][i]);
-      _mm512_storeu_si512(out[i] + PairSlot(o, 0, base, block_stride), word);
+      _mm512_storeu_si512(out[i] + base + 2 * o, word);
     }
   }
 }
@@ -302,12 +290,13 @@ TAPEHOOK_AMX inline void InterleaveSplitPair512(const float* r0,
 [[maybe_unused]] inline void InterleaveSplitPair(const float* r0,
                                                  const float* r1, int64_t n,
                                                  int64_t n_pad, int64_t base,
-                                                 int64_t block_stride,
                                                  uint16_t* const* out) {
 #if TAPEHOOK_HAVE_AMX_PATH
-  return InterleaveSplitPair512(r0, r1, n, n_pad, base, block_stride, out);
+  if (n_pad % 16 == 0) {
+    return InterleaveSplitPair512(r0, r1, n, n_pad, base, out);
+  }
 #endif
-  InterleaveSplitPairPortable(r0, r1, n, n_pad, base, block_stride, out);
+  InterleaveSplitPairPortable(r0, r1, n, n_pad, base, out);
 }
 
 // dst[c * ld_dst + r] = src[r * ld_src + c] for an 8 x 8 block of 16-bit
