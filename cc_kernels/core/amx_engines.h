@@ -31,6 +31,7 @@ namespace amx {
 // costs a read of the float input instead of a write and reads of 1.5x its
 // size. Units walk all q for a group of o pairs whose B fills about 1 MiB of
 // L2, then the next group (which splits the rows again).
+
 // A's row stride in bf16 values: the 3 * kp of a row, plus one 64-byte
 // line where that is an even number of lines. The rows of an A tile are
 // then an odd number of lines apart and fall into 16 different L1 sets; at
