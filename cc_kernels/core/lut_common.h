@@ -22,15 +22,14 @@ template <typename T>
 class Scratch {
  public:
   explicit Scratch(int64_t n)
-      : bytes_(RoundUp(std::max<int64_t>(n, 1) * sizeof(T), 4096)),
-        p_(static_cast<T*>(amx::Pool().Take(bytes_))) {}
-  ~Scratch() { amx::Pool().Give(p_, bytes_); }
+      : p_(static_cast<T*>(
+            amx::Pool().Take(static_cast<size_t>(n) * sizeof(T)))) {}
+  ~Scratch() { amx::Pool().Give(p_); }
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
   T* get() const { return p_; }
 
  private:
-  size_t bytes_;
   T* p_;
 };
 

@@ -365,16 +365,16 @@ void TestScratchPool() {
   tapehook::amx::ScratchPool pool;
   const size_t big = size_t{8} << 20, small = size_t{64} << 10;
   void* b = pool.Take(big);
-  pool.Give(b, big);
+  pool.Give(b);
   void* half = pool.Take(big / 2 + 4096);
   Check(half == b, "pool: a request of over half a free block's size");
-  pool.Give(half, big / 2 + 4096);
+  pool.Give(half);
   void* again = pool.Take(big);
   Check(again == b, "pool: a block lost its size to a smaller request");
-  pool.Give(again, big);
+  pool.Give(again);
   void* s = pool.Take(small);
   Check(s != b, "pool: a block spent on a request under half its size");
-  pool.Give(s, small);
+  pool.Give(s);
 }
 
 }  // namespace
