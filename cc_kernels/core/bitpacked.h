@@ -601,6 +601,15 @@ void BitpackedForwardWith(const ConvShape& s, const T* x, const BitFilter<T>& f,
             // Exact in int32 and in T (|dot| < 2^24 for any real layer).
             const int32_t all_match = static_cast<int32_t>(valid * C);
             T* out = y + (pix0 + p) * N;
+#if TAPEHOOK_HAVE_AVX2_PATH
+            if constexpr (std::is_same_v<T, float>) {
+              if (isa == BitIsa::kAvx2) {
+                simd::CountsToOutputs(cnt, all_match, alpha_t, offset, relu, N,
+                                      out);
+                continue;
+              }
+            }
+#endif
             if (offset == nullptr) {
               for (int64_t o = 0; o < N; ++o) {
                 out[o] = alpha_t[o] * static_cast<T>(all_match - 2 * cnt[o]);

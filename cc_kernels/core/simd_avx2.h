@@ -7,6 +7,7 @@
 #ifndef TAPEHOOK_CORE_SIMD_AVX2_H_
 #define TAPEHOOK_CORE_SIMD_AVX2_H_
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -196,6 +197,42 @@ TAPEHOOK_AVX2 inline void XorPopcount(int64_t m, int64_t n, int64_t depth,
         }
       }
     }
+  }
+}
+
+// One output pixel of the bitpacked forward from its mismatch counts:
+// out[o] = alpha[o] * dot, dot = all_match - 2 * counts[o], or with an
+// offset (the output transform) fma(alpha[o], relu ? max(dot, 0) : dot,
+// offset[o]) in one rounding, as std::fma. Generic x86-64 code has no FMA
+// instruction: there std::fma is a call to libm per element.
+TAPEHOOK_AVX2 inline void CountsToOutputs(const int32_t* counts,
+                                          int32_t all_match, const float* alpha,
+                                          const float* offset, bool relu,
+                                          int64_t n, float* out) {
+  const __m256i match = _mm256_set1_epi32(all_match);
+  const __m256i zero = _mm256_setzero_si256();
+  int64_t o = 0;
+  for (; o + 8 <= n; o += 8) {
+    const __m256i cnt =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(counts + o));
+    __m256i dot = _mm256_sub_epi32(match, _mm256_add_epi32(cnt, cnt));
+    const __m256 a = _mm256_loadu_ps(alpha + o);
+    if (offset == nullptr) {
+      _mm256_storeu_ps(out + o, _mm256_mul_ps(a, _mm256_cvtepi32_ps(dot)));
+      continue;
+    }
+    if (relu) dot = _mm256_max_epi32(dot, zero);
+    _mm256_storeu_ps(out + o, _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(dot),
+                                              _mm256_loadu_ps(offset + o)));
+  }
+  for (; o < n; ++o) {
+    int32_t dot = all_match - 2 * counts[o];
+    if (offset == nullptr) {
+      out[o] = alpha[o] * static_cast<float>(dot);
+      continue;
+    }
+    if (relu) dot = std::max(dot, 0);
+    out[o] = std::fma(alpha[o], static_cast<float>(dot), offset[o]);
   }
 }
 
