@@ -204,35 +204,28 @@ TAPEHOOK_AVX2 inline void XorPopcount(int64_t m, int64_t n, int64_t depth,
 // out[o] = alpha[o] * dot, dot = all_match - 2 * counts[o], or with an
 // offset (the output transform) fma(alpha[o], relu ? max(dot, 0) : dot,
 // offset[o]) in one rounding, as std::fma. Generic x86-64 code has no FMA
-// instruction: there std::fma is a call to libm per element.
+// instruction: there std::fma is a call to libm per element. The last
+// n % 8 channels go through masked loads and stores (no scalar twin).
 TAPEHOOK_AVX2 inline void CountsToOutputs(const int32_t* counts,
                                           int32_t all_match, const float* alpha,
                                           const float* offset, bool relu,
                                           int64_t n, float* out) {
   const __m256i match = _mm256_set1_epi32(all_match);
   const __m256i zero = _mm256_setzero_si256();
-  int64_t o = 0;
-  for (; o + 8 <= n; o += 8) {
-    const __m256i cnt =
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(counts + o));
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t o = 0; o < n; o += 8) {
+    const int32_t left = static_cast<int32_t>(std::min<int64_t>(8, n - o));
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(left), lanes);
+    const __m256i cnt = _mm256_maskload_epi32(counts + o, mask);
     __m256i dot = _mm256_sub_epi32(match, _mm256_add_epi32(cnt, cnt));
-    const __m256 a = _mm256_loadu_ps(alpha + o);
-    if (offset == nullptr) {
-      _mm256_storeu_ps(out + o, _mm256_mul_ps(a, _mm256_cvtepi32_ps(dot)));
-      continue;
-    }
-    if (relu) dot = _mm256_max_epi32(dot, zero);
-    _mm256_storeu_ps(out + o, _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(dot),
-                                              _mm256_loadu_ps(offset + o)));
-  }
-  for (; o < n; ++o) {
-    int32_t dot = all_match - 2 * counts[o];
-    if (offset == nullptr) {
-      out[o] = alpha[o] * static_cast<float>(dot);
-      continue;
-    }
-    if (relu) dot = std::max(dot, 0);
-    out[o] = std::fma(alpha[o], static_cast<float>(dot), offset[o]);
+    const __m256 a = _mm256_maskload_ps(alpha + o, mask);
+    if (relu && offset != nullptr) dot = _mm256_max_epi32(dot, zero);
+    const __m256 d = _mm256_cvtepi32_ps(dot);
+    _mm256_maskstore_ps(
+        out + o, mask,
+        offset == nullptr
+            ? _mm256_mul_ps(a, d)
+            : _mm256_fmadd_ps(a, d, _mm256_maskload_ps(offset + o, mask)));
   }
 }
 
