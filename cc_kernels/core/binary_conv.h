@@ -56,7 +56,11 @@ struct BitFilter {
   Scale scale = Scale::kNone;
   int isa = 0;  // the tier that packed it (binary_conv.cc's BitIsa)
   int64_t n_pad = 0;
-  std::vector<uint64_t> words;     // [taps * words per pixel][n_pad]
+  std::vector<uint64_t> words;  // [taps * words per pixel][n_pad]
+  // The AVX2 tier's layout instead of words (which it leaves empty): the
+  // nibble form of simd_avx2.h, [n_pad / 16][taps * words per pixel]
+  // [lo | hi][16].
+  std::vector<uint64_t> nibbles;
   std::vector<int32_t> tap_count;  // [taps][out_c]
   std::vector<T> alpha;            // [out_c]
 };

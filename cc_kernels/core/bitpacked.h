@@ -81,16 +81,11 @@ void PackWeightSigns(BitIsa isa, const T* w, int64_t n, int shift,
   }
 }
 
-// counts[i * ldc + j] = sum_k popcount(a[i * depth + k] ^ b[k * n + j]).
-// Callers pad m and n to whole kPopRowTile / kPopColTile tiles.
-inline void XorPopcount(bool avx2, int64_t m, int64_t n, int64_t depth,
-                        const uint64_t* a, const uint64_t* b, int32_t* counts,
-                        int64_t ldc) {
-#if TAPEHOOK_HAVE_AVX2_PATH
-  if (avx2) {
-    return simd::XorPopcount(m, n, depth, a, b, counts, ldc);
-  }
-#endif
+// counts[i * ldc + j] = sum_k popcount(a[i * depth + k] ^ b[k * n + j]):
+// the portable tier's loops (the AVX2 tier runs simd::XorPopcountNibbles).
+inline void XorPopcountPortable(int64_t m, int64_t n, int64_t depth,
+                                const uint64_t* a, const uint64_t* b,
+                                int32_t* counts, int64_t ldc) {
   for (int64_t i = 0; i < m; ++i) {
     std::fill(counts + i * ldc, counts + i * ldc + n, 0);
     for (int64_t k = 0; k < depth; ++k) {
@@ -103,11 +98,41 @@ inline void XorPopcount(bool avx2, int64_t m, int64_t n, int64_t depth,
   }
 }
 
+// Columns of W are padded to whole register tiles of the AVX2 xor-popcount.
 #if TAPEHOOK_HAVE_AVX2_PATH
-constexpr int64_t kPopRowTile = simd::kPopMR, kPopColTile = simd::kPopNR;
+constexpr int64_t kPopColTile = simd::kPopNR;
 #else
-constexpr int64_t kPopRowTile = 1, kPopColTile = 1;
+constexpr int64_t kPopColTile = 1;
 #endif
+
+// In place: words[0, n) become their nibble form (simd_avx2.h) in
+// words[0, 2 n), each word's low nibbles, then its high ones.
+inline void SplitNibbles(uint64_t* words, int64_t n) {
+  constexpr uint64_t kLow = 0x0f0f0f0f0f0f0f0full;
+  for (int64_t i = n - 1; i >= 0; --i) {  // backwards: 2 i >= i
+    const uint64_t v = words[i];
+    words[2 * i] = v & kLow;
+    words[2 * i + 1] = (v >> 4) & kLow;
+  }
+}
+
+// W's words [rows][n_pad] as the AVX2 tier's nibble panels,
+// [n_pad / kPopColTile][rows][lo | hi][kPopColTile].
+inline std::vector<uint64_t> NibblePanels(const std::vector<uint64_t>& words,
+                                          int64_t rows, int64_t n_pad) {
+  constexpr uint64_t kLow = 0x0f0f0f0f0f0f0f0full;
+  std::vector<uint64_t> panels(2 * rows * n_pad);
+  for (int64_t j = 0; j < n_pad; ++j) {
+    uint64_t* panel = &panels[(j / kPopColTile) * rows * 2 * kPopColTile];
+    for (int64_t k = 0; k < rows; ++k) {
+      const uint64_t v = words[k * n_pad + j];
+      uint64_t* at = panel + k * 2 * kPopColTile + j % kPopColTile;
+      at[0] = v & kLow;
+      at[kPopColTile] = (v >> 4) & kLow;
+    }
+  }
+  return panels;
+}
 
 #if TAPEHOOK_HAVE_AVX512_PATH
 // Output pixels per block of the AVX-512 tier: whole register tiles.
@@ -413,9 +438,10 @@ int64_t PackCostDiv(BitIsa isa) {
   return isa == BitIsa::kAvx512 && std::is_same_v<T, float> ? 4 : 1;
 }
 
-// Signs of W as [row_words][n_pad] words (columns >= N are zeros), each
-// tap's popcount (what a zero padding tap adds to a count) and alpha, packed
-// on the tier the kernels pick now.
+// Signs of W as [row_words][n_pad] words (columns >= N are zeros; the AVX2
+// tier keeps them as nibble panels instead), each tap's popcount (what a
+// zero padding tap adds to a count) and alpha, packed on the tier the
+// kernels pick now.
 template <typename T>
 BitFilter<T> PackBitFilterImpl(const ConvShape& s, const T* w, Scale scale,
                                Impl impl, const ParallelFor& parallel_for) {
@@ -463,6 +489,10 @@ BitFilter<T> PackBitFilterImpl(const ConvShape& s, const T* w, Scale scale,
       }
     }
   });
+  if (isa == BitIsa::kAvx2) {
+    f.nibbles = NibblePanels(f.words, taps * cw, n_pad);
+    f.words = std::vector<uint64_t>();
+  }
   f.alpha.assign(N, T(1));
   for (int64_t o = 0; o < N && mean_abs; ++o) {
     double sum = 0;
@@ -485,7 +515,8 @@ void BitpackedForwardWith(const ConvShape& s, const T* x, const BitFilter<T>& f,
   const int64_t n_pad = f.n_pad;
   const int64_t pixels = OutPixels(s);
   const BitIsa isa = static_cast<BitIsa>(f.isa);
-  const uint64_t* const wb = f.words.data();
+  const uint64_t* const wb =
+      isa == BitIsa::kAvx2 ? f.nibbles.data() : f.words.data();
   const int32_t* const tap_count = f.tap_count.data();
   // The transform's multiplier folds into alpha (one multiply per output).
   std::vector<T> folded;
@@ -509,9 +540,11 @@ void BitpackedForwardWith(const ConvShape& s, const T* x, const BitFilter<T>& f,
   const bool packed = true;
 #endif
 
-  // Signs of x, one run of cw words per input pixel.
+  // Signs of x, one run of pw words per input pixel: cw words, or on the
+  // AVX2 tier their nibble form (2 cw).
+  const int64_t pw = isa == BitIsa::kAvx2 ? 2 * cw : cw;
   const int64_t in_pixels = packed ? s.batch * s.in_h * s.in_w : 0;
-  std::unique_ptr<uint64_t[]> xb(new uint64_t[in_pixels * cw]);
+  std::unique_ptr<uint64_t[]> xb(new uint64_t[in_pixels * pw]);
   parallel_for(in_pixels, pixel_cost, [&](int64_t p0, int64_t p1) {
 #if TAPEHOOK_HAVE_AVX512_PATH
     if constexpr (std::is_same_v<T, float>) {
@@ -521,7 +554,8 @@ void BitpackedForwardWith(const ConvShape& s, const T* x, const BitFilter<T>& f,
     }
 #endif
     for (int64_t p = p0; p < p1; ++p) {
-      PackSigns(isa, x + p * C, C, &xb[p * cw]);
+      PackSigns(isa, x + p * C, C, &xb[p * pw]);
+      if (pw != cw) SplitNibbles(&xb[p * pw], cw);
     }
   });
 
@@ -533,11 +567,11 @@ void BitpackedForwardWith(const ConvShape& s, const T* x, const BitFilter<T>& f,
 #endif
 
   const int64_t blocks = (pixels + kBitPixelBlock - 1) / kBitPixelBlock;
-  const int64_t rows_pad = RoundUp(kBitPixelBlock, kPopRowTile);
+  const int64_t col_words = taps * pw;  // per row of the bit im2col
   parallel_for(
       blocks, kBitPixelBlock * row_words * N, [&](int64_t b0, int64_t b1) {
-        std::vector<uint64_t> col(rows_pad * row_words, 0);
-        std::vector<int32_t> counts(rows_pad * n_pad);
+        std::vector<uint64_t> col(kBitPixelBlock * col_words);
+        std::vector<int32_t> counts(kBitPixelBlock * n_pad);
         std::vector<char> border(kBitPixelBlock);
         // Calls f(t, ih, iw, inside) for each tap of output pixel q.
         auto for_each_tap = [&](const PixelPos& q, auto f) {
@@ -554,25 +588,25 @@ void BitpackedForwardWith(const ConvShape& s, const T* x, const BitFilter<T>& f,
           const int64_t np = std::min(kBitPixelBlock, pixels - pix0);
           PixelPos q = Pos(s, pix0);
           for (int64_t p = 0; p < np; ++p) {
-            const uint64_t* xn = &xb[q.n * s.in_h * s.in_w * cw];
-            uint64_t* row = &col[p * row_words];
+            const uint64_t* xn = &xb[q.n * s.in_h * s.in_w * pw];
+            uint64_t* row = &col[p * col_words];
             const int64_t ih0 = q.oh * s.stride_h - s.pad_top;
             const int64_t iw0 = q.ow * s.stride_w - s.pad_left;
             border[p] = ih0 < 0 || ih0 + (s.k_h - 1) * s.dil_h >= s.in_h ||
                         iw0 < 0 || iw0 + (s.k_w - 1) * s.dil_w >= s.in_w;
             if (!border[p] && s.dil_w == 1) {
-              // Interior: each kernel row is one run of k_w * cw words.
+              // Interior: each kernel row is one run of k_w * pw words.
               for (int64_t kh = 0; kh < s.k_h; ++kh) {
                 const int64_t ih = ih0 + kh * s.dil_h;
-                std::copy_n(xn + (ih * s.in_w + iw0) * cw, s.k_w * cw,
-                            row + kh * s.k_w * cw);
+                std::copy_n(xn + (ih * s.in_w + iw0) * pw, s.k_w * pw,
+                            row + kh * s.k_w * pw);
               }
             } else {
               for_each_tap(q,
                            [&](int64_t t, int64_t ih, int64_t iw, bool inside) {
-                             const uint64_t* src = xn + (ih * s.in_w + iw) * cw;
-                             for (int64_t k = 0; k < cw; ++k) {
-                               row[t * cw + k] = inside ? src[k] : 0;
+                             const uint64_t* src = xn + (ih * s.in_w + iw) * pw;
+                             for (int64_t k = 0; k < pw; ++k) {
+                               row[t * pw + k] = inside ? src[k] : 0;
                              }
                            });
             }
@@ -581,9 +615,16 @@ void BitpackedForwardWith(const ConvShape& s, const T* x, const BitFilter<T>& f,
               if (++q.oh == s.out_h) q.oh = 0, ++q.n;
             }
           }
-          // Rows past np stay as they are: computed, never stored.
-          XorPopcount(isa == BitIsa::kAvx2, RoundUp(np, kPopRowTile), n_pad,
-                      row_words, col.data(), wb, counts.data(), n_pad);
+#if TAPEHOOK_HAVE_AVX2_PATH
+          if (isa == BitIsa::kAvx2) {
+            simd::XorPopcountNibbles(np, n_pad, row_words, col.data(), wb,
+                                     counts.data(), n_pad);
+          } else
+#endif
+          {
+            XorPopcountPortable(np, n_pad, row_words, col.data(), wb,
+                                counts.data(), n_pad);
+          }
           // dot = sum over valid taps of (C - 2 * mismatches). A padding tap
           // has zero x bits, so it counted popcount(W tap): take that back out.
           for (int64_t p = 0; p < np; ++p) {

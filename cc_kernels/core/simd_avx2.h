@@ -121,55 +121,59 @@ TAPEHOOK_AVX2 void GemmTile(int64_t depth, const T* a, const T* b, int64_t ldb,
   }
 }
 
-// Per-byte popcount of v by 4-bit table lookup (AVX2 has no vpopcnt).
-TAPEHOOK_AVX2 inline __m256i ByteCounts(__m256i v) {
+// Nibble form of a word of signs (AVX2 has no vpopcnt, so popcounts go
+// through a 16-entry byte table): the low nibble of each byte, then the high
+// one, as two words whose bytes hold 0..15. Shifts and masks commute with
+// xor, so the xor of two nibble forms is the nibble form of the xor: split
+// once when x and W are packed, the inner loop does only xor, lookup, add.
+constexpr uint64_t kNibbleMask = 0x0f0f0f0f0f0f0f0full;
+
+// Columns of a nibble panel: the xor-popcount's register tile is one row of
+// a by kPopNR columns of b (four ymm of 64-bit lanes).
+constexpr int kPopNR = 16;
+
+// counts[i * ldc + j] = sum_k popcount(a[i][k] ^ b[k][j]) for i < m, j < n
+// (n a multiple of kPopNR), from nibble forms: a as [m][depth][lo, hi] and
+// b as panels [n / kPopNR][depth][lo | hi][kPopNR]. Output columns sit in
+// the 64-bit lanes, so a lane's byte counts sum (vpsadbw) to its column's
+// count: no horizontal sums. Per 4 words: 2 xor, 2 vpshufb, 2 adds (not 8
+// ops with the nibbles split in the loop), and the panel, depth * 256 bytes,
+// stays in L1 across the m rows.
+TAPEHOOK_AVX2 inline void XorPopcountNibbles(int64_t m, int64_t n,
+                                             int64_t depth, const uint64_t* a,
+                                             const uint64_t* b, int32_t* counts,
+                                             int64_t ldc) {
+  // A byte counter gains at most 4 + 4 per step: flush before 255 / 8 steps.
+  constexpr int64_t kFlushSteps = 31;
+  const __m256i zero = _mm256_setzero_si256();
   const __m256i lut =
       _mm256_setr_epi8(0, 1, 1, 2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4, 0, 1, 1,
                        2, 1, 2, 2, 3, 1, 2, 2, 3, 2, 3, 3, 4);
-  const __m256i low = _mm256_set1_epi8(0x0f);
-  const __m256i lo = _mm256_and_si256(v, low);
-  const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-  return _mm256_add_epi8(_mm256_shuffle_epi8(lut, lo),
-                         _mm256_shuffle_epi8(lut, hi));
-}
-
-// Tile of the xor-popcount: kPopMR rows of a by kPopNR columns of b (four
-// ymm of 64-bit lanes). Its 8 byte accumulators, 2 broadcast rows, a column
-// vector, temporaries and the lookup constants fit the 16 ymm registers.
-constexpr int kPopMR = 2;
-constexpr int kPopNR = 16;
-
-// counts[i * ldc + j] = sum_k popcount(a[i * depth + k] ^ b[k * n + j]) for
-// i < m, j < n; m must be a multiple of kPopMR and n of kPopNR. Output
-// columns sit in the 64-bit lanes, so a lane's byte counts sum (vpsadbw) to
-// that column's count: no horizontal sums, and depth need not be padded.
-TAPEHOOK_AVX2 inline void XorPopcount(int64_t m, int64_t n, int64_t depth,
-                                      const uint64_t* a, const uint64_t* b,
-                                      int32_t* counts, int64_t ldc) {
-  // A byte counter gains at most 8 per step: flush before 255 / 8 steps.
-  constexpr int64_t kFlushSteps = 31;
-  const __m256i zero = _mm256_setzero_si256();
-  for (int64_t i = 0; i < m; i += kPopMR) {
-    const uint64_t* a0 = a + i * depth;
-    const uint64_t* a1 = a0 + depth;
-    for (int64_t j = 0; j < n; j += kPopNR) {
-      __m256i total[kPopMR][4];
-      for (auto& row : total) {
-        for (auto& v : row) v = zero;
-      }
+  // Counts fit in 32 bits: keep the low half of each 64-bit lane.
+  const __m256i low_halves = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  for (int64_t j = 0; j < n; j += kPopNR) {
+    const uint64_t* panel = b + j * depth * 2;
+    for (int64_t i = 0; i < m; ++i) {
+      const uint64_t* ai = a + i * depth * 2;
+      __m256i t0 = zero, t1 = zero, t2 = zero, t3 = zero;
       for (int64_t k0 = 0; k0 < depth; k0 += kFlushSteps) {
         const int64_t k1 = std::min(depth, k0 + kFlushSteps);
-        __m256i c00 = zero, c01 = zero, c02 = zero, c03 = zero;
-        __m256i c10 = zero, c11 = zero, c12 = zero, c13 = zero;
+        __m256i c0 = zero, c1 = zero, c2 = zero, c3 = zero;
         for (int64_t k = k0; k < k1; ++k) {
-          const __m256i x0 = _mm256_set1_epi64x(static_cast<int64_t>(a0[k]));
-          const __m256i x1 = _mm256_set1_epi64x(static_cast<int64_t>(a1[k]));
-          const __m256i* bk = reinterpret_cast<const __m256i*>(b + k * n + j);
-#define TAPEHOOK_STEP(q)                                                  \
-  {                                                                       \
-    const __m256i wq = _mm256_loadu_si256(bk + q);                        \
-    c0##q = _mm256_add_epi8(c0##q, ByteCounts(_mm256_xor_si256(x0, wq))); \
-    c1##q = _mm256_add_epi8(c1##q, ByteCounts(_mm256_xor_si256(x1, wq))); \
+          const __m256i lo =
+              _mm256_set1_epi64x(static_cast<int64_t>(ai[2 * k]));
+          const __m256i hi =
+              _mm256_set1_epi64x(static_cast<int64_t>(ai[2 * k + 1]));
+          const __m256i* bk =
+              reinterpret_cast<const __m256i*>(panel + k * 2 * kPopNR);
+#define TAPEHOOK_STEP(q)                                           \
+  {                                                                \
+    const __m256i wl = _mm256_loadu_si256(bk + q);                 \
+    const __m256i wh = _mm256_loadu_si256(bk + 4 + q);             \
+    c##q = _mm256_add_epi8(                                        \
+        c##q, _mm256_shuffle_epi8(lut, _mm256_xor_si256(lo, wl))); \
+    c##q = _mm256_add_epi8(                                        \
+        c##q, _mm256_shuffle_epi8(lut, _mm256_xor_si256(hi, wh))); \
   }
           TAPEHOOK_STEP(0)
           TAPEHOOK_STEP(1)
@@ -177,24 +181,17 @@ TAPEHOOK_AVX2 inline void XorPopcount(int64_t m, int64_t n, int64_t depth,
           TAPEHOOK_STEP(3)
 #undef TAPEHOOK_STEP
         }
-        const __m256i c[kPopMR][4] = {{c00, c01, c02, c03},
-                                      {c10, c11, c12, c13}};
-        for (int r = 0; r < kPopMR; ++r) {
-          for (int q = 0; q < 4; ++q) {
-            total[r][q] =
-                _mm256_add_epi64(total[r][q], _mm256_sad_epu8(c[r][q], zero));
-          }
-        }
+        t0 = _mm256_add_epi64(t0, _mm256_sad_epu8(c0, zero));
+        t1 = _mm256_add_epi64(t1, _mm256_sad_epu8(c1, zero));
+        t2 = _mm256_add_epi64(t2, _mm256_sad_epu8(c2, zero));
+        t3 = _mm256_add_epi64(t3, _mm256_sad_epu8(c3, zero));
       }
-      // Counts fit in 32 bits: keep the low half of each 64-bit lane.
-      const __m256i low_halves = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-      for (int r = 0; r < kPopMR; ++r) {
-        for (int q = 0; q < 4; ++q) {
-          _mm_storeu_si128(
-              reinterpret_cast<__m128i*>(counts + (i + r) * ldc + j + 4 * q),
-              _mm256_castsi256_si128(
-                  _mm256_permutevar8x32_epi32(total[r][q], low_halves)));
-        }
+      const __m256i t[4] = {t0, t1, t2, t3};
+      for (int q = 0; q < 4; ++q) {
+        _mm_storeu_si128(
+            reinterpret_cast<__m128i*>(counts + i * ldc + j + 4 * q),
+            _mm256_castsi256_si128(
+                _mm256_permutevar8x32_epi32(t[q], low_halves)));
       }
     }
   }
@@ -204,29 +201,43 @@ TAPEHOOK_AVX2 inline void XorPopcount(int64_t m, int64_t n, int64_t depth,
 // out[o] = alpha[o] * dot, dot = all_match - 2 * counts[o], or with an
 // offset (the output transform) fma(alpha[o], relu ? max(dot, 0) : dot,
 // offset[o]) in one rounding, as std::fma. Generic x86-64 code has no FMA
-// instruction: there std::fma is a call to libm per element. The last
-// n % 8 channels go through masked loads and stores (no scalar twin).
+// instruction: there std::fma is a call to libm per element. Whole vectors
+// load and store plainly; only the last n % 8 channels take vmaskmov, which
+// AMD cores run microcoded (a masked store every 8 channels cost a quarter
+// of the popcounts' time on Zen 3). One arithmetic for both.
+TAPEHOOK_AVX2 inline __m256 OutputsOf(__m256i cnt, __m256i match, __m256 a,
+                                      const __m256* offset, bool relu) {
+  __m256i dot = _mm256_sub_epi32(match, _mm256_add_epi32(cnt, cnt));
+  if (offset == nullptr) return _mm256_mul_ps(a, _mm256_cvtepi32_ps(dot));
+  if (relu) dot = _mm256_max_epi32(dot, _mm256_setzero_si256());
+  return _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(dot), *offset);
+}
+
 TAPEHOOK_AVX2 inline void CountsToOutputs(const int32_t* counts,
                                           int32_t all_match, const float* alpha,
                                           const float* offset, bool relu,
                                           int64_t n, float* out) {
   const __m256i match = _mm256_set1_epi32(all_match);
-  const __m256i zero = _mm256_setzero_si256();
-  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (int64_t o = 0; o < n; o += 8) {
-    const int32_t left = static_cast<int32_t>(std::min<int64_t>(8, n - o));
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(left), lanes);
-    const __m256i cnt = _mm256_maskload_epi32(counts + o, mask);
-    __m256i dot = _mm256_sub_epi32(match, _mm256_add_epi32(cnt, cnt));
-    const __m256 a = _mm256_maskload_ps(alpha + o, mask);
-    if (relu && offset != nullptr) dot = _mm256_max_epi32(dot, zero);
-    const __m256 d = _mm256_cvtepi32_ps(dot);
-    _mm256_maskstore_ps(
-        out + o, mask,
-        offset == nullptr
-            ? _mm256_mul_ps(a, d)
-            : _mm256_fmadd_ps(a, d, _mm256_maskload_ps(offset + o, mask)));
+  int64_t o = 0;
+  for (; o + 8 <= n; o += 8) {
+    const __m256i cnt =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(counts + o));
+    __m256 off;
+    if (offset != nullptr) off = _mm256_loadu_ps(offset + o);
+    _mm256_storeu_ps(out + o,
+                     OutputsOf(cnt, match, _mm256_loadu_ps(alpha + o),
+                               offset != nullptr ? &off : nullptr, relu));
   }
+  if (o == n) return;
+  const __m256i mask =
+      _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n - o)),
+                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256 off;
+  if (offset != nullptr) off = _mm256_maskload_ps(offset + o, mask);
+  _mm256_maskstore_ps(out + o, mask,
+                      OutputsOf(_mm256_maskload_epi32(counts + o, mask), match,
+                                _mm256_maskload_ps(alpha + o, mask),
+                                offset != nullptr ? &off : nullptr, relu));
 }
 
 // out[w] bit b = !(x[64 w + b] >= 0) for b < 64, c = count of values

@@ -729,8 +729,11 @@ void TestBitpackedTiers() {
                                      {3, 3, 128, 1},
                                      {2, 2, 64, 1}};
   constexpr int kLayoutCases = sizeof(kLayouts) / sizeof(kLayouts[0]);
+  // The last case repeats the first layout (38 words a row) with every
+  // sign of x against every sign of W: each popcount step adds its most, the
+  // case that overflows a byte counter flushed too late.
   constexpr int kCases =
-      kSmallCases + kLargeCases + kPointwiseCases + kLayoutCases;
+      kSmallCases + kLargeCases + kPointwiseCases + kLayoutCases + 1;
   std::mt19937_64 rng(20250301);
   int passed = 0;
   for (int i = 0; i < kCases; ++i) {
@@ -739,8 +742,10 @@ void TestBitpackedTiers() {
     // tier keeps up to 8 words of W in registers, more take the tiles).
     const int first_layout = kSmallCases + kLargeCases + kPointwiseCases;
     const bool pointwise = i >= kSmallCases + kLargeCases && i < first_layout;
-    const int64_t* layout =
-        i >= first_layout ? kLayouts[i - first_layout] : nullptr;
+    const bool saturated = i == kCases - 1;
+    const int64_t* layout = saturated           ? kLayouts[0]
+                            : i >= first_layout ? kLayouts[i - first_layout]
+                                                : nullptr;
     Problem pr;
     pr.act_est = Estimator::kSteSign;
     pr.w_est = Estimator::kSteSign;
@@ -803,6 +808,10 @@ void TestBitpackedTiers() {
                      : Value(rng, pr.clip);
     }
     for (double& v : pr.w) v = u(rng) < 0.03 ? -0.0 : Value(rng, pr.clip);
+    if (saturated) {
+      std::fill(pr.x.begin(), pr.x.end(), -0.5);
+      std::fill(pr.w.begin(), pr.w.end(), 0.25);
+    }
     const Ref y_ref = RefForward(pr);
     const bool is_float = layout != nullptr || i % 4 != 3;
     bool ok = true;
