@@ -221,18 +221,28 @@ void BinaryConv2DBackpropInput(const ConvShape& s, const T* x, const T* w,
                                     (kPixelBlock + s.out_w - 1) / s.out_w}));
     const int64_t bands = (s.out_h + band - 1) / band;
     const int64_t hw = s.out_h * s.out_w;
+    // Where a band is the whole image (small images, deep layers), a unit
+    // takes enough whole images for a block of kPixelBlock pixels: images
+    // never share input rows, and one image of 4x4 pixels would stream all
+    // of W_hat (9 C N values) for 16 rows of dY.
+    const int64_t images =
+        bands > 1
+            ? 1
+            : std::max<int64_t>(1, kPixelBlock / std::max<int64_t>(hw, 1));
     for (int64_t parity = 0; parity < 2; ++parity) {
       const int64_t per_image = (bands - parity + 1) / 2;
       if (per_image == 0) continue;
-      const int64_t cost = band * s.out_w * K * N;
-      parallel_for(s.batch * per_image, cost, [&](int64_t u0, int64_t u1) {
+      const int64_t units = (s.batch + images - 1) / images * per_image;
+      const int64_t cost = images * band * s.out_w * K * N;
+      parallel_for(units, cost, [&](int64_t u0, int64_t u1) {
         std::vector<T> dcol(2 * kPixelBlock * K);
         for (int64_t u = u0; u < u1; ++u) {
-          const int64_t n = u / per_image;
+          const int64_t n = u / per_image * images;
+          const int64_t n1 = std::min(s.batch, n + images);
           const int64_t oh0 = (parity + 2 * (u % per_image)) * band;
           const int64_t oh1 = std::min(s.out_h, oh0 + band);
           const int64_t begin = n * hw + oh0 * s.out_w;
-          const int64_t end = n * hw + oh1 * s.out_w;
+          const int64_t end = (n1 - 1) * hw + oh1 * s.out_w;
           // Equal blocks of kPixelBlock to 2 * kPixelBlock - 1 pixels (or
           // the whole band): no small leftover block.
           const int64_t blocks =

@@ -131,17 +131,19 @@ void PackB(int64_t depth, int64_t n, const T* b, int64_t b_rs, int64_t b_cs,
 // the portable kernel. C is row-major; A is read through strides so col*W,
 // dY*W^T and col^T*dY all use this one routine, and packed into [depth][MR]
 // panels so the tile kernel vectorizes across columns, not depth. Columns
-// are blocked so the B panels that all row panels reuse stay in L2.
+// are blocked so the B panels that all row panels reuse stay in L2, and
+// column blocks are the outer loop so a block's C tiles stay in cache over
+// the depth passes (each C element still sums its depth blocks in order).
 template <typename T, int MR, int NR, typename FullTile>
 void GemmBlocked(int64_t m, const T* a, int64_t a_rs, int64_t a_cs,
                  const PackedRows<T>& b, T* c, int64_t ldc, bool accumulate,
                  FullTile full_tile) {
   T a_panel[kDepthBlock * MR];
-  for (int64_t k0 = 0; k0 < b.depth; k0 += kDepthBlock) {
-    const int64_t kc = std::min(kDepthBlock, b.depth - k0);
-    const bool acc = accumulate || k0 > 0;
-    for (int64_t jb = 0; jb < b.n(); jb += kColumnBlock) {
-      const int64_t jb_end = std::min(b.n(), jb + kColumnBlock);
+  for (int64_t jb = 0; jb < b.n(); jb += kColumnBlock) {
+    const int64_t jb_end = std::min(b.n(), jb + kColumnBlock);
+    for (int64_t k0 = 0; k0 < b.depth; k0 += kDepthBlock) {
+      const int64_t kc = std::min(kDepthBlock, b.depth - k0);
+      const bool acc = accumulate || k0 > 0;
       for (int64_t i0 = 0; i0 < m; i0 += MR) {
         const int mr = static_cast<int>(std::min<int64_t>(MR, m - i0));
         const T* at = a + i0 * a_rs + k0 * a_cs;
