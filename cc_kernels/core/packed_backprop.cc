@@ -78,6 +78,18 @@ void BinaryConv2DBackpropInputPacked(const ConvShape& s, const uint8_t* packed,
       }
     }
   }
+  if constexpr (std::is_same<T, float>::value) {
+    if (impl == Impl::kAvx2 || impl == Impl::kPortable) {
+      // The GEMM's sums, then the mask from the bits: no float stand-in
+      // (two unpacked copies of x and a pass over them) for a mask that
+      // multiplies by the same 1 or 0.
+      BinaryConv2DBackpropInput(s, static_cast<const T*>(nullptr), w, dy,
+                                Estimator::kNone, clip, scale, dx, parallel_for,
+                                impl);
+      ApplyPackedMask(s, packed, dx, parallel_for);
+      return;
+    }
+  }
   const std::vector<T> x = StandIn<T>(s, packed, clip, parallel_for);
   BinaryConv2DBackpropInput(s, x.data(), w, dy, Estimator::kSteSign, clip,
                             scale, dx, parallel_for, impl);
