@@ -1,7 +1,8 @@
 // Backprops of a binary-activation conv whose input is kept as packed sign /
 // mask bits (pack_input.h): the AMX kernels and the sign-table ones
-// (lut_backprop.h, plan avx512) read the bits, the other plans run the float
-// kernels on a stand-in input with the same signs and masks.
+// (lut_backprop.h, plan avx512) read the bits, as does the float dX of plans
+// avx2 and portable; the other plans run the float kernels on a stand-in
+// input with the same signs and masks.
 #include "packed_backprop.h"
 
 #include <cstdint>

@@ -15,8 +15,9 @@ namespace tapehook {
 // the same results as BinaryConv2DBackpropInput / Filter on x with
 // act_est = kSteSign. On AMX (impl kAmx, float) and on the sign-table
 // engine (impl kAvx512, float; lut_backprop.h) the kernels read the bits
-// directly; elsewhere a float stand-in for x with the same signs and masks
-// is built.
+// directly, as does the float dX of the AVX2 and portable tiers (a GEMM
+// that needs no x, then the mask bits); elsewhere a float stand-in for x
+// with the same signs and masks is built.
 template <typename T>
 void BinaryConv2DBackpropInputPacked(const ConvShape& s, const uint8_t* packed,
                                      const T* w, const T* dy, double clip,
