@@ -15,6 +15,7 @@
 #include "lut_backprop_avx2.h"
 #include "pack_input.h"
 #include "plan.h"
+#include "simd_avx2.h"
 
 namespace tapehook {
 
@@ -36,15 +37,22 @@ std::vector<T> StandIn(const ConvShape& s, const uint8_t* packed, double clip,
   return x_hat;
 }
 
-// dx *= the packed ste_sign mask (bit 6 - 2 (c % 4) of byte c / 4 of a row).
+// dx *= the packed ste_sign mask (bit 6 - 2 (c % 4) of byte c / 4 of a row),
+// on the AVX2 tiles for every tier above portable (each implies AVX2).
 void ApplyPackedMask(const ConvShape& s, const uint8_t* packed, float* dx,
-                     const ParallelFor& parallel_for) {
+                     const ParallelFor& parallel_for, Impl impl) {
   const int64_t rows = s.batch * s.in_h * s.in_w, channels = s.in_c;
   const int64_t row_bytes = PackedBytes(channels);
   parallel_for(rows, channels * 2, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const uint8_t* bits = packed + r * row_bytes;
       float* g = dx + r * channels;
+#if TAPEHOOK_HAVE_AVX2_PATH
+      if (impl != Impl::kPortable) {
+        simd::ScaleByMaskBits(bits, channels, g);
+        continue;
+      }
+#endif
       for (int64_t c = 0; c < channels; ++c) {
         g[c] *= (bits[c / 4] >> (6 - 2 * (c % 4)) & 1) ? 1.0f : 0.0f;
       }
@@ -74,7 +82,7 @@ void BinaryConv2DBackpropInputPacked(const ConvShape& s, const uint8_t* packed,
     if (impl == Impl::kAvx512) {
       const std::vector<float> a = FilterAlphaFloats(s, w, scale);
       if (lut::BackpropInput(s, w, AlphaOrNull(a), dy, dx, parallel_for)) {
-        ApplyPackedMask(s, packed, dx, parallel_for);
+        ApplyPackedMask(s, packed, dx, parallel_for, impl);
         return;
       }
     }
@@ -87,7 +95,7 @@ void BinaryConv2DBackpropInputPacked(const ConvShape& s, const uint8_t* packed,
       BinaryConv2DBackpropInput(s, static_cast<const T*>(nullptr), w, dy,
                                 Estimator::kNone, clip, scale, dx, parallel_for,
                                 impl);
-      ApplyPackedMask(s, packed, dx, parallel_for);
+      ApplyPackedMask(s, packed, dx, parallel_for, impl);
       return;
     }
   }

@@ -1,4 +1,4 @@
-// AVX2 inner loops of the core, included by binary_conv.cc only.
+// AVX2 inner loops of the core, included by the .cc files that call them.
 //
 // The library is built without -mavx2, so it loads on any x86-64 (and other)
 // CPU: each function here carries a target attribute and binary_conv.cc calls
@@ -238,6 +238,41 @@ TAPEHOOK_AVX2 inline void CountsToOutputs(const int32_t* counts,
                       OutputsOf(_mm256_maskload_epi32(counts + o, mask), match,
                                 _mm256_maskload_ps(alpha + o, mask),
                                 offset != nullptr ? &off : nullptr, relu));
+}
+
+// g[c] *= 1 or 0, the ste_sign mask of a packed row (pack_input.h: bit
+// 6 - 2 (c % 4) of bits[c / 4]) for c < n: 8 channels from 2 bytes, one
+// variable shift per lane. A multiply by 1.0f or 0.0f, as the portable loop
+// does (NaN and the sign of zero come out the same); the last n % 8
+// channels go through masked loads and stores.
+// 1.0f or 0.0f per lane for channels c .. c + 7 of ScaleByMaskBits' row.
+TAPEHOOK_AVX2 inline __m256 MaskFactors(const uint8_t* bits, int64_t c,
+                                        int64_t n) {
+  // The second byte only where the row has channels past c + 4.
+  const int32_t word = bits[c / 4] | (c + 4 < n ? bits[c / 4 + 1] << 8 : 0);
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i bit = _mm256_and_si256(
+      _mm256_srlv_epi32(_mm256_set1_epi32(word),
+                        _mm256_setr_epi32(6, 4, 2, 0, 14, 12, 10, 8)),
+      one);
+  return _mm256_and_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(bit, one)),
+                       _mm256_set1_ps(1.0f));
+}
+
+TAPEHOOK_AVX2 inline void ScaleByMaskBits(const uint8_t* bits, int64_t n,
+                                          float* g) {
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    _mm256_storeu_ps(
+        g + c, _mm256_mul_ps(_mm256_loadu_ps(g + c), MaskFactors(bits, c, n)));
+  }
+  if (c == n) return;
+  const __m256i mask =
+      _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n - c)),
+                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  _mm256_maskstore_ps(
+      g + c, mask,
+      _mm256_mul_ps(_mm256_maskload_ps(g + c, mask), MaskFactors(bits, c, n)));
 }
 
 // out[w] bit b = !(x[64 w + b] >= 0) for b < 64, c = count of values
