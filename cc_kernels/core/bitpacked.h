@@ -105,14 +105,18 @@ constexpr int64_t kPopColTile = simd::kPopNR;
 constexpr int64_t kPopColTile = 1;
 #endif
 
-// In place: words[0, n) become their nibble form (simd_avx2.h) in
-// words[0, 2 n), each word's low nibbles, then its high ones.
+// The nibble form of a word (simd_avx2.h): its bytes' low nibbles, and
+// their high nibbles, each in the low half of its byte.
+inline uint64_t LowNibbles(uint64_t v) { return v & 0x0f0f0f0f0f0f0f0full; }
+inline uint64_t HighNibbles(uint64_t v) { return LowNibbles(v >> 4); }
+
+// In place: words[0, n) become their nibble form in words[0, 2 n), each
+// word's low nibbles, then its high ones.
 inline void SplitNibbles(uint64_t* words, int64_t n) {
-  constexpr uint64_t kLow = 0x0f0f0f0f0f0f0f0full;
   for (int64_t i = n - 1; i >= 0; --i) {  // backwards: 2 i >= i
     const uint64_t v = words[i];
-    words[2 * i] = v & kLow;
-    words[2 * i + 1] = (v >> 4) & kLow;
+    words[2 * i] = LowNibbles(v);
+    words[2 * i + 1] = HighNibbles(v);
   }
 }
 
@@ -120,15 +124,14 @@ inline void SplitNibbles(uint64_t* words, int64_t n) {
 // [n_pad / kPopColTile][rows][lo | hi][kPopColTile].
 inline std::vector<uint64_t> NibblePanels(const std::vector<uint64_t>& words,
                                           int64_t rows, int64_t n_pad) {
-  constexpr uint64_t kLow = 0x0f0f0f0f0f0f0f0full;
   std::vector<uint64_t> panels(2 * rows * n_pad);
   for (int64_t j = 0; j < n_pad; ++j) {
     uint64_t* panel = &panels[(j / kPopColTile) * rows * 2 * kPopColTile];
     for (int64_t k = 0; k < rows; ++k) {
       const uint64_t v = words[k * n_pad + j];
       uint64_t* at = panel + k * 2 * kPopColTile + j % kPopColTile;
-      at[0] = v & kLow;
-      at[kPopColTile] = (v >> 4) & kLow;
+      at[0] = LowNibbles(v);
+      at[kPopColTile] = HighNibbles(v);
     }
   }
   return panels;

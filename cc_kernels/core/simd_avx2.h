@@ -126,7 +126,7 @@ TAPEHOOK_AVX2 void GemmTile(int64_t depth, const T* a, const T* b, int64_t ldb,
 // one, as two words whose bytes hold 0..15. Shifts and masks commute with
 // xor, so the xor of two nibble forms is the nibble form of the xor: split
 // once when x and W are packed, the inner loop does only xor, lookup, add.
-constexpr uint64_t kNibbleMask = 0x0f0f0f0f0f0f0f0full;
+// (bitpacked.h's LowNibbles / HighNibbles make it.)
 
 // Columns of a nibble panel: the xor-popcount's register tile is one row of
 // a by kPopNR columns of b (four ymm of 64-bit lanes).
