@@ -1,9 +1,9 @@
 // AVX2 inner loops of the core, included by the .cc files that call them.
 //
 // The library is built without -mavx2, so it loads on any x86-64 (and other)
-// CPU: each function here carries a target attribute and binary_conv.cc calls
-// it only on a plan of the AVX2 tier (plan.h), which Capabilities() offers
-// only where cpu::Avx2() (cpu.h) says the CPU has it.
+// CPU: each function here carries a target attribute and the core calls it
+// only on a plan of the AVX2 tier or above (plan.h), which Capabilities()
+// offers only where cpu::Avx2() (cpu.h) says the CPU has it.
 #ifndef TAPEHOOK_CORE_SIMD_AVX2_H_
 #define TAPEHOOK_CORE_SIMD_AVX2_H_
 
@@ -197,6 +197,12 @@ TAPEHOOK_AVX2 inline void XorPopcountNibbles(int64_t m, int64_t n,
   }
 }
 
+// Lanes [0, left) of a vmaskmov mask, for the last n % 8 elements of a row.
+TAPEHOOK_AVX2 inline __m256i TailMask(int64_t left) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(left)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
 // One output pixel of the bitpacked forward from its mismatch counts:
 // out[o] = alpha[o] * dot, dot = all_match - 2 * counts[o], or with an
 // offset (the output transform) fma(alpha[o], relu ? max(dot, 0) : dot,
@@ -229,9 +235,7 @@ TAPEHOOK_AVX2 inline void CountsToOutputs(const int32_t* counts,
                                offset != nullptr ? &off : nullptr, relu));
   }
   if (o == n) return;
-  const __m256i mask =
-      _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n - o)),
-                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i mask = TailMask(n - o);
   __m256 off;
   if (offset != nullptr) off = _mm256_maskload_ps(offset + o, mask);
   _mm256_maskstore_ps(out + o, mask,
@@ -240,11 +244,6 @@ TAPEHOOK_AVX2 inline void CountsToOutputs(const int32_t* counts,
                                 offset != nullptr ? &off : nullptr, relu));
 }
 
-// g[c] *= 1 or 0, the ste_sign mask of a packed row (pack_input.h: bit
-// 6 - 2 (c % 4) of bits[c / 4]) for c < n: 8 channels from 2 bytes, one
-// variable shift per lane. A multiply by 1.0f or 0.0f, as the portable loop
-// does (NaN and the sign of zero come out the same); the last n % 8
-// channels go through masked loads and stores.
 // 1.0f or 0.0f per lane for channels c .. c + 7 of ScaleByMaskBits' row.
 TAPEHOOK_AVX2 inline __m256 MaskFactors(const uint8_t* bits, int64_t c,
                                         int64_t n) {
@@ -259,6 +258,11 @@ TAPEHOOK_AVX2 inline __m256 MaskFactors(const uint8_t* bits, int64_t c,
                        _mm256_set1_ps(1.0f));
 }
 
+// g[c] *= 1 or 0, the ste_sign mask of a packed row (pack_input.h: bit
+// 6 - 2 (c % 4) of bits[c / 4]) for c < n: 8 channels from 2 bytes, one
+// variable shift per lane. A multiply by 1.0f or 0.0f, as the portable loop
+// does (NaN and the sign of zero come out the same); the last n % 8
+// channels go through masked loads and stores.
 TAPEHOOK_AVX2 inline void ScaleByMaskBits(const uint8_t* bits, int64_t n,
                                           float* g) {
   int64_t c = 0;
@@ -267,9 +271,7 @@ TAPEHOOK_AVX2 inline void ScaleByMaskBits(const uint8_t* bits, int64_t n,
         g + c, _mm256_mul_ps(_mm256_loadu_ps(g + c), MaskFactors(bits, c, n)));
   }
   if (c == n) return;
-  const __m256i mask =
-      _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n - c)),
-                         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i mask = TailMask(n - c);
   _mm256_maskstore_ps(
       g + c, mask,
       _mm256_mul_ps(_mm256_maskload_ps(g + c, mask), MaskFactors(bits, c, n)));
