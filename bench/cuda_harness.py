@@ -120,6 +120,8 @@ class Harness:
         }.items():
             getattr(lib, name).argtypes = args
             getattr(lib, name).restype = ctypes.c_char_p
+        lib.th_set_tensor_cores.argtypes = [i]
+        lib.th_set_tensor_cores.restype = None
         lib.th_workspace_bytes.argtypes = [i, shape, i]
         lib.th_workspace_bytes.restype = ctypes.c_size_t
         for name in ("th_cpu_forward", "th_cpu_backprop_input", "th_cpu_backprop_filter"):
@@ -257,11 +259,14 @@ def check_case(h, case, spec, dtype_name, rng):
     return errors, tol
 
 
-def run_correctness(h):
+def run_correctness(h, family):
+    """Every case on one kernel family ("tensor_cores": the default where the
+    GPU has them; "cuda_cores": forced with th_set_tensor_cores(0))."""
+    h.lib.th_set_tensor_cores(int(family == "tensor_cores"))
     rng = np.random.default_rng(0)
     rows, passed = [], True
     print(
-        f"{'case':24} {'dtype':8} {'spec':32} {'forward':>9} {'bp_input':>9} "
+        f"{family}:\n{'case':24} {'dtype':8} {'spec':32} {'forward':>9} {'bp_input':>9} "
         f"{'bp_filter':>9}  result"
     )
     for index, case in enumerate(CASES):
@@ -280,6 +285,7 @@ def run_correctness(h):
             )
             rows.append(
                 {
+                    "kernels": family,
                     "case": case[0],
                     "dtype": dtype_name,
                     "spec": spec_name,
@@ -288,7 +294,8 @@ def run_correctness(h):
                     "passed": ok,
                 }
             )
-    print(f"correctness: {sum(r['passed'] for r in rows)}/{len(rows)} passed")
+    print(f"correctness ({family}): {sum(r['passed'] for r in rows)}/{len(rows)} passed")
+    h.lib.th_set_tensor_cores(1)
     return rows, passed
 
 
@@ -308,7 +315,35 @@ def time_ms(torch, fn, iters=20):
     return float(np.median(times))
 
 
-def run_bench(h):
+def profile_calls(torch, calls, label):
+    """Per-kernel GPU time (CUPTI through torch.profiler; it sees the
+    harness library's kernels too) and host time per call, to see where a
+    call's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, fn in calls.items():
+        fn()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(10):
+            fn()
+        host_ms = (time.perf_counter() - start) / 10 * 1e3
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+        kernels = {}
+        for e in prof.events():
+            if e.device_type.name == "CUDA":
+                kernels[e.name] = kernels.get(e.name, 0.0) + e.device_time / 5e3
+        total = sum(kernels.values())
+        print(f"profile {label} {name}: host {host_ms:.3f} ms/call, GPU {total:.3f} ms/call")
+        for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:6]:
+            print(f"    {v:8.4f} ms  {k[:110]}")
+
+
+def run_bench(h, profile=False):
     import torch
     import torch.nn.functional as F
 
@@ -334,6 +369,9 @@ def run_bench(h):
             ptr = lambda t: ctypes.c_void_p(t.data_ptr())  # noqa: E731
 
             def ours(op, binary):
+                # binary: the input is binarized (ste_sign), as in a fully binary layer.
+                act = ESTIMATOR["ste_sign"] if binary else 0
+
                 def call():
                     if op == 0:
                         err = h.lib.th_cuda_forward(
@@ -341,11 +379,22 @@ def run_bench(h):
                         )
                     elif op == 1:
                         err = h.lib.th_cuda_backprop_input(
-                            code, s, ptr(x), ptr(w), ptr(dy), 0, 1.0, 1, ptr(dx), ptr(ws), stream
+                            code, s, ptr(x), ptr(w), ptr(dy), act, 1.0, 1, ptr(dx), ptr(ws), stream
                         )
                     else:
                         err = h.lib.th_cuda_backprop_filter(
-                            code, s, ptr(x), ptr(w), ptr(dy), 0, 1, 1.0, 1, ptr(dw), ptr(ws), stream
+                            code,
+                            s,
+                            ptr(x),
+                            ptr(w),
+                            ptr(dy),
+                            act,
+                            1,
+                            1.0,
+                            1,
+                            ptr(dw),
+                            ptr(ws),
+                            stream,
                         )
                     h.check(err, "bench")
 
@@ -361,6 +410,8 @@ def run_bench(h):
                 "float_input_forward": time_ms(torch, ours(0, 0)),
                 "backprop_input": time_ms(torch, ours(1, 0)),
                 "backprop_filter": time_ms(torch, ours(2, 0)),
+                "binary_backprop_input": time_ms(torch, ours(1, 1)),
+                "binary_backprop_filter": time_ms(torch, ours(2, 1)),
                 "cudnn_forward": time_ms(torch, lambda: F.conv2d(xc, wc, padding=pad)),
                 "cudnn_backprop_input": time_ms(
                     torch, lambda: torch.nn.grad.conv2d_input(xc.shape, wc, dyc, padding=pad)
@@ -369,6 +420,17 @@ def run_bench(h):
                     torch, lambda: torch.nn.grad.conv2d_weight(xc, wc.shape, dyc, padding=pad)
                 ),
             }
+            if profile and dtype_name == "float32":
+                profile_calls(
+                    torch,
+                    {
+                        "binary_forward": ours(0, 1),
+                        "binary_backprop_input": ours(1, 1),
+                        "binary_backprop_filter": ours(2, 1),
+                        "cudnn_forward": lambda: F.conv2d(xc, wc, padding=pad),
+                    },
+                    row["shape"],
+                )
             row[dtype_name] = {
                 "ms": timings,
                 "speedup_binary_forward_vs_cudnn": timings["cudnn_forward"]
@@ -377,6 +439,16 @@ def run_bench(h):
                 / timings["backprop_input"],
                 "speedup_backprop_filter_vs_cudnn": timings["cudnn_backprop_filter"]
                 / timings["backprop_filter"],
+                "speedup_binary_step_vs_cudnn": (
+                    timings["cudnn_forward"]
+                    + timings["cudnn_backprop_input"]
+                    + timings["cudnn_backprop_filter"]
+                )
+                / (
+                    timings["binary_forward"]
+                    + timings["binary_backprop_input"]
+                    + timings["binary_backprop_filter"]
+                ),
             }
             r = row[dtype_name]
             print(
@@ -384,7 +456,8 @@ def run_bench(h):
                 f" vs cuDNN {timings['cudnn_forward']:7.3f} ms"
                 f" ({r['speedup_binary_forward_vs_cudnn']:5.2f}x, target >= 5x);"
                 f" bp_input {r['speedup_backprop_input_vs_cudnn']:5.2f}x;"
-                f" bp_filter {r['speedup_backprop_filter_vs_cudnn']:5.2f}x"
+                f" bp_filter {r['speedup_backprop_filter_vs_cudnn']:5.2f}x;"
+                f" binary step {r['speedup_binary_step_vs_cudnn']:5.2f}x"
             )
         rows.append(row)
     return rows
@@ -400,13 +473,20 @@ def main():
     )
     parser.add_argument("--out", help="JSON results (default bench/results/cuda-<gpu>.json)")
     parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument(
+        "--profile", action="store_true", help="per-kernel times of the float32 binary calls"
+    )
     args = parser.parse_args()
 
     h = Harness(build(args.build_dir, args.archs))
     gpu = h.lib.th_device_name().decode()
     print(f"GPU: {gpu}")
-    correctness, passed = run_correctness(h)
-    bench = [] if args.skip_bench else run_bench(h)
+    correctness, passed = [], True
+    for family in ("tensor_cores", "cuda_cores"):
+        rows, ok = run_correctness(h, family)
+        correctness += rows
+        passed &= ok
+    bench = [] if args.skip_bench else run_bench(h, args.profile)
     out = (
         pathlib.Path(args.out)
         if args.out

@@ -17,6 +17,7 @@
 
 #include "cuda/binary_conv_cuda.h"
 #include "cuda/conv_tiles.h"
+#include "cuda/tc_conv.h"
 
 namespace tapehook {
 namespace cuda {
@@ -88,6 +89,10 @@ size_t WPopBytes(const Geom& g) {
   return AlignUp(sizeof(int) * size_t(g.taps) * g.out_c);
 }
 
+size_t PartialBytes(const Geom& g, int splits) {
+  return AlignUp(sizeof(float) * size_t(splits) * g.filter_k * g.out_c);
+}
+
 PackedBuffers Carve(const Geom& g, void* workspace) {
   char* p = static_cast<char*>(workspace);
   PackedBuffers b;
@@ -104,7 +109,7 @@ PackedBuffers Carve(const Geom& g, void* workspace) {
 // ---------------------------------------------------------------------------
 // Small elementwise kernels.
 
-constexpr int kAlphaRows = 8;  // threads splitting the rows of one column
+constexpr int kAlphaRows = 32;  // threads splitting the rows of one column
 
 // alpha[o]: 32 columns per block, kAlphaRows partial sums each, added in a
 // fixed order.
@@ -396,6 +401,10 @@ const char* Forward(const ConvShape& s, const T* x, const T* w,
   if (g.out_pix == 0) return nullptr;
   const PackedBuffers b = Carve(g, workspace);
   LaunchAlpha(g, w, scale, b.alpha, stream);
+  if (TensorCoresUsable()) {
+    return TcForward(g, x, w, binary_input, b.alpha, y,
+                     static_cast<char*>(workspace) + AlphaBytes(g), stream);
+  }
   if (binary_input) {
     PackInputKernel<T>
         <<<GridFor(g.in_pix * g.words), kThreads, 0, stream>>>(g, x, b.xbits);
@@ -421,6 +430,11 @@ const char* BackpropInput(const ConvShape& s, const T* x, const T* w,
   if (g.in_pix == 0) return nullptr;
   float* alpha = static_cast<float*>(workspace);
   LaunchAlpha(g, w, scale, alpha, stream);
+  if (TensorCoresUsable()) {
+    return TcBackpropInput(g, x, w, dy, alpha, act_est, clip, dx,
+                           static_cast<char*>(workspace) + AlphaBytes(g),
+                           stream);
+  }
   BackpropInputKernel<T><<<TileGrid(g.in_pix, g.in_c), kThreads, 0, stream>>>(
       g, x, w, dy, alpha, act_est, clip, dx);
   return LaunchStatus();
@@ -432,14 +446,23 @@ const char* BackpropFilter(const ConvShape& s, const T* x, const T* w,
                            float clip, Scale scale, T* dw, void* workspace,
                            cudaStream_t stream) {
   const Geom g = MakeGeom(s);
-  const int splits = FilterSplits(g);
+  const bool tensor_cores = TensorCoresUsable();
+  const int splits = tensor_cores ? TcFilterSplits(g) : FilterSplits(g);
   float* alpha = static_cast<float*>(workspace);
   float* partial =
       reinterpret_cast<float*>(static_cast<char*>(workspace) + AlphaBytes(g));
   LaunchAlpha(g, w, scale, alpha, stream);
-  BackpropFilterKernel<T>
-      <<<TileGrid(g.filter_k, g.out_c, splits), kThreads, 0, stream>>>(
-          g, x, dy, act_est != Estimator::kNone, splits, partial);
+  const bool binary = act_est != Estimator::kNone;
+  if (tensor_cores) {
+    const char* err = TcBackpropFilterPartials(
+        g, x, dy, binary, partial,
+        reinterpret_cast<char*>(partial) + PartialBytes(g, splits), stream);
+    if (err) return err;
+  } else {
+    BackpropFilterKernel<T>
+        <<<TileGrid(g.filter_k, g.out_c, splits), kThreads, 0, stream>>>(
+            g, x, dy, binary, splits, partial);
+  }
   ReduceFilterKernel<T><<<GridFor(g.filter_k * g.out_c), kThreads, 0, stream>>>(
       g, partial, splits, w, alpha, w_est, clip, dw);
   return LaunchStatus();
@@ -459,20 +482,26 @@ const char* WithDType(DType dtype, Fn fn) {
 
 }  // namespace
 
+// Workspaces hold either kernel family's buffers: they depend on the shape
+// only, not on the device a call will run on.
 size_t ForwardWorkspaceBytes(const ConvShape& s, bool binary_input) {
   const Geom g = MakeGeom(s);
-  if (!binary_input) return AlphaBytes(g);
-  return AlphaBytes(g) + XBitsBytes(g) + WBitsBytes(g) + WPopBytes(g);
+  const size_t cuda_cores =
+      binary_input ? XBitsBytes(g) + WBitsBytes(g) + WPopBytes(g) : 0;
+  return AlphaBytes(g) +
+         std::max(cuda_cores, AlignUp(TcForwardBytes(g, binary_input)));
 }
 
 size_t BackpropInputWorkspaceBytes(const ConvShape& s) {
-  return AlphaBytes(MakeGeom(s));
+  const Geom g = MakeGeom(s);
+  return AlphaBytes(g) + AlignUp(TcBackpropInputBytes(g));
 }
 
 size_t BackpropFilterWorkspaceBytes(const ConvShape& s) {
   const Geom g = MakeGeom(s);
-  return AlphaBytes(g) + AlignUp(sizeof(float) * size_t(FilterSplits(g)) *
-                                 g.filter_k * g.out_c);
+  return AlphaBytes(g) + std::max(PartialBytes(g, FilterSplits(g)),
+                                  PartialBytes(g, TcFilterSplits(g)) +
+                                      AlignUp(TcBackpropFilterBytes(g)));
 }
 
 const char* BinaryConv2DForward(DType dtype, const ConvShape& s, const void* x,

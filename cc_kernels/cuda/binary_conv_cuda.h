@@ -47,6 +47,13 @@ const char* BinaryConv2DBackpropFilter(DType dtype, const ConvShape& s,
                                        void* dw, void* workspace,
                                        CUstream_st* stream);
 
+// On GPUs of compute capability 8.0 and newer the calls above run bf16
+// tensor-core GEMMs (tc_conv.cu); elsewhere, or after
+// SetTensorCoreKernels(false), the CUDA-core kernels. Both compute the same
+// math (the tensor cores' float operands split in two bf16 planes: within
+// 2^-17 relative per product); the harness checks both. Process-wide.
+void SetTensorCoreKernels(bool enabled);
+
 }  // namespace cuda
 }  // namespace tapehook
 

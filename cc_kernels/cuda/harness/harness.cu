@@ -51,6 +51,12 @@ const char* th_geometry(int padding, int64_t pad_t, int64_t pad_b,
   return err.empty() ? nullptr : err.c_str();
 }
 
+// 1: tensor-core kernels where the GPU has them (the default); 0: the
+// CUDA-core kernels everywhere.
+void th_set_tensor_cores(int enabled) {
+  cuda::SetTensorCoreKernels(enabled != 0);
+}
+
 // op: 0 forward, 1 backprop input, 2 backprop filter.
 size_t th_workspace_bytes(int op, const ConvShape* s, int binary) {
   switch (op) {

@@ -6,6 +6,11 @@
 //        cc_kernels/core/binary_conv.cc cc_kernels/core/amx_conv.cc -o /tmp/t
 //        && /tmp/t
 //
+// The tensor-core path (tc_tiles.h) is replayed the same way: operands
+// staged by its staging functions, each GEMM element read through its
+// segment functions over the kernels' padded ranges, hi and lo planes
+// multiplied as the kernels' products are.
+//
 // What this does not cover (needs a GPU, bench/cuda_harness.py): thread to
 // tile mapping, shared memory, synchronization, launch configuration.
 #include <cmath>
@@ -16,6 +21,7 @@
 
 #include "core/binary_conv.h"
 #include "cuda/conv_tiles.h"
+#include "cuda/tc_tiles.h"
 
 namespace {
 
@@ -68,7 +74,7 @@ template <typename T>
 std::vector<float> Alpha(const Geom& g, const T* w, Scale scale) {
   std::vector<float> alpha(g.out_c, 1.0f);
   if (scale != Scale::kMeanAbs) return alpha;
-  constexpr int kAlphaRows = 8;
+  constexpr int kAlphaRows = 32;
   for (int o = 0; o < g.out_c; ++o) {
     float sum = 0.0f;
     for (int r = 0; r < kAlphaRows; ++r) {
@@ -193,6 +199,165 @@ std::vector<float> BackpropFilterHost(const Geom& g, const T* x, const T* w,
   return dw;
 }
 
+// ---------------------------------------------------------------------------
+// Tensor-core path (tc_conv.cu): its tile edge and reduction step.
+constexpr int kTcRows = 128, kTcDepth = 32;
+
+// A staged tensor's planes, bf16 values widened to float (lo empty: a sign).
+struct Staged {
+  std::vector<float> hi, lo;
+  float Hi(int off, int e) const { return off < 0 ? 0.0f : hi[off + e]; }
+  float Lo(int off, int e) const {
+    return off < 0 || lo.empty() ? 0.0f : lo[off + e];
+  }
+};
+
+template <typename T>
+Staged StageFloatHost(const T* src, int rows, int cols, int pitch,
+                      const float* scale) {
+  Staged out{std::vector<float>(size_t(rows) * pitch),
+             std::vector<float>(size_t(rows) * pitch)};
+  for (int i = 0; i < rows * pitch; ++i) {
+    __nv_bfloat16 hi, lo;
+    SplitBf16(StagedValue(src, cols, scale, i / pitch, i % pitch), &hi, &lo);
+    out.hi[i] = __bfloat162float(hi);
+    out.lo[i] = __bfloat162float(lo);
+  }
+  return out;
+}
+
+template <typename T>
+Staged StageSignHost(const T* src, int rows, int cols, int pitch) {
+  Staged out{std::vector<float>(size_t(rows) * pitch), {}};
+  for (int i = 0; i < rows * pitch; ++i) {
+    out.hi[i] = StagedSign(src, cols, i / pitch, i % pitch);
+  }
+  return out;
+}
+
+template <typename T>
+Staged StageFilterHost(const TcGeom& t, const T* w) {
+  Staged out{std::vector<float>(size_t(t.g.taps) * t.cp * t.op), {}};
+  for (size_t i = 0; i < out.hi.size(); ++i) {
+    out.hi[i] = StagedFilterSign(t, w, int(i));
+  }
+  return out;
+}
+
+template <typename T>
+std::vector<float> TcForwardHost(const Geom& g, const T* x, const T* w,
+                                 const Spec& sp) {
+  const TcGeom t = MakeTcGeom(g);
+  const Staged xs = sp.binary ? StageSignHost(x, g.in_pix, g.in_c, t.cp)
+                              : StageFloatHost(x, g.in_pix, g.in_c, t.cp,
+                                               (const float*)nullptr);
+  const Staged ws = StageFilterHost(t, w);
+  const std::vector<float> alpha = Alpha(g, w, sp.scale);
+  std::vector<float> y(size_t(g.out_pix) * g.out_c);
+  for (int p = 0; p < RoundUp(g.out_pix, kTcRows); ++p) {
+    const OutPixel px = OutPixelAt(g, p);
+    for (int o = 0; o < RoundUp(g.out_c, 64); ++o) {
+      float acc = 0.0f;
+      TapWalk walk;  // the kernel's order of (tap, k0)
+      for (int step = 0; step < g.taps * RoundUp(t.cp, kTcDepth) / kTcDepth;
+           ++step, walk.Next(g, kTcDepth, t.cp)) {
+        const int tap = walk.tap;
+        if (p == 0 && o == 0) {
+          Check(walk.dh == TapDh(g, tap) && walk.dw == TapDw(g, tap),
+                "TapWalk offsets");
+        }
+        for (int c = walk.k0; c < walk.k0 + kTcDepth; ++c) {
+          const int a = TcForwardA(t, px, walk.dh, walk.dw, c / 8 * 8);
+          const float b = ws.Hi(TcFilter(t, tap, c, o / 8 * 8), o % 8);
+          acc += xs.Hi(a, c % 8) * b + xs.Lo(a, c % 8) * b;
+        }
+      }
+      if (px.valid && o < g.out_c) y[p * g.out_c + o] = acc * alpha[o];
+    }
+  }
+  return y;
+}
+
+template <typename T>
+std::vector<float> TcBackpropInputHost(const Geom& g, const T* x, const T* w,
+                                       const T* dy, const Spec& sp) {
+  const TcGeom t = MakeTcGeom(g);
+  const std::vector<float> alpha = Alpha(g, w, sp.scale);
+  const Staged dys = StageFloatHost(dy, g.out_pix, g.out_c, t.op, alpha.data());
+  const Staged ws = StageFilterHost(t, w);
+  std::vector<float> dx(size_t(g.in_pix) * g.in_c);
+  for (int qi = 0; qi < RoundUp(g.in_pix, kTcRows); ++qi) {
+    const InPixel q = InPixelAt(g, qi);
+    for (int c = 0; c < RoundUp(g.in_c, 64); ++c) {
+      float acc = 0.0f;
+      TapWalk walk;
+      for (int step = 0; step < g.taps * RoundUp(t.op, kTcDepth) / kTcDepth;
+           ++step, walk.Next(g, kTcDepth, t.op)) {
+        const int tap = walk.tap;
+        for (int o = walk.k0; o < walk.k0 + kTcDepth; ++o) {
+          const int a = TcBackpropInputA(t, q, walk.dh, walk.dw, o / 8 * 8);
+          const float b = ws.Hi(TcFilter(t, tap, c, o / 8 * 8), o % 8);
+          acc += dys.Hi(a, o % 8) * b + dys.Lo(a, o % 8) * b;
+        }
+      }
+      if (qi >= g.in_pix || c >= g.in_c) continue;
+      const int idx = qi * g.in_c + c;
+      dx[idx] = acc * EstimatorGradF(sp.act, ToFloat(x[idx]), sp.clip);
+    }
+  }
+  return dx;
+}
+
+template <typename T>
+std::vector<float> TcBackpropFilterHost(const Geom& g, const T* x, const T* w,
+                                        const T* dy, const Spec& sp,
+                                        int splits) {
+  const TcGeom t = MakeTcGeom(g);
+  const Staged xs = sp.binary ? StageSignHost(x, g.in_pix, g.in_c, t.cp)
+                              : StageFloatHost(x, g.in_pix, g.in_c, t.cp,
+                                               (const float*)nullptr);
+  const Staged dys =
+      StageFloatHost(dy, g.out_pix, g.out_c, t.op, (const float*)nullptr);
+  const int kn = g.filter_k * g.out_c;
+  std::vector<float> partial(size_t(splits) * kn, 0.0f);
+  std::vector<int> written(kn, 0);
+  for (int z = 0; z < splits; ++z) {
+    int begin, end;
+    SplitRange(g.out_pix, splits, kTcDepth, z, &begin, &end);
+    for (int m = 0; m < RoundUp(g.taps * t.cp, kTcRows); ++m) {
+      for (int o = 0; o < RoundUp(g.out_c, 64); ++o) {
+        float acc = 0.0f;
+        for (int p = begin; p < begin + RoundUp(end - begin, kTcDepth); ++p) {
+          const OutPixel px =
+              p < end ? OutPixelAt(g, p) : OutPixel{0, 0, 0, false};
+          const int a = TcBackpropFilterA(t, px, m / 8 * 8);
+          const int b = TcDy(t, p, p < end, o / 8 * 8);
+          acc += xs.Hi(a, m % 8) * dys.Hi(b, o % 8) +
+                 xs.Hi(a, m % 8) * dys.Lo(b, o % 8) +
+                 xs.Lo(a, m % 8) * dys.Hi(b, o % 8);
+        }
+        const int row = TcFilterRow(t, m);
+        if (row >= 0 && o < g.out_c) {
+          partial[z * kn + row * g.out_c + o] = acc;
+          written[row * g.out_c + o] += z == 0;
+        }
+      }
+    }
+  }
+  bool each_once = true;
+  for (int n : written) each_once &= n == 1;
+  Check(each_once, "tc backprop_filter writes every dw element once");
+  const std::vector<float> alpha = Alpha(g, w, sp.scale);
+  std::vector<float> dw(kn);
+  for (int i = 0; i < kn; ++i) {
+    float sum = 0.0f;
+    for (int z = 0; z < splits; ++z) sum += partial[z * kn + i];
+    dw[i] = sum * (alpha[i % g.out_c] *
+                   EstimatorGradF(sp.weight, ToFloat(w[i]), sp.clip));
+  }
+  return dw;
+}
+
 // |a - e| <= tol * (1 + max|e|), as tests/conftest.py.
 void Compare(const std::vector<float>& got, const std::vector<float>& want,
              double tol, const std::string& what) {
@@ -244,12 +409,16 @@ void RunCase(const Case& c, const Spec& sp, const ConvShape& s,
       sp.binary ? ForwardBinary(g, xt.data(), wt.data(), sp.scale)
                 : ForwardFloat(g, xt.data(), wt.data(), sp.scale);
   Compare(rounded(y), want, tol, name + " forward");
+  Compare(rounded(TcForwardHost(g, xt.data(), wt.data(), sp)), want, tol,
+          name + " tc forward");
 
   want.assign(x.size(), 0.0f);
   BinaryConv2DBackpropInput<float>(s, xr.data(), wr.data(), dyr.data(), sp.act,
                                    sp.clip, sp.scale, want.data(), InlineFor);
   Compare(rounded(BackpropInputHost(g, xt.data(), wt.data(), dyt.data(), sp)),
           want, tol, name + " backprop_input");
+  Compare(rounded(TcBackpropInputHost(g, xt.data(), wt.data(), dyt.data(), sp)),
+          want, tol, name + " tc backprop_input");
 
   want.assign(w.size(), 0.0f);
   BinaryConv2DBackpropFilter<float>(s, xr.data(), wr.data(), dyr.data(), sp.act,
@@ -260,6 +429,10 @@ void RunCase(const Case& c, const Spec& sp, const ConvShape& s,
                                        splits)),
             want, tol,
             name + " backprop_filter splits=" + std::to_string(splits));
+    Compare(rounded(TcBackpropFilterHost(g, xt.data(), wt.data(), dyt.data(),
+                                         sp, splits)),
+            want, tol,
+            name + " tc backprop_filter splits=" + std::to_string(splits));
   }
 }
 
