@@ -259,10 +259,14 @@ def check_case(h, case, spec, dtype_name, rng):
     return errors, tol
 
 
+# th_set_tensor_cores levels: the default (bf16 tensor cores, int8 for the
+# fully binary forward), bf16 only, the CUDA-core kernels.
+FAMILIES = {"tensor_cores": 2, "tensor_cores_bf16": 1, "cuda_cores": 0}
+
+
 def run_correctness(h, family):
-    """Every case on one kernel family ("tensor_cores": the default where the
-    GPU has them; "cuda_cores": forced with th_set_tensor_cores(0))."""
-    h.lib.th_set_tensor_cores(int(family == "tensor_cores"))
+    """Every case on one kernel family (FAMILIES)."""
+    h.lib.th_set_tensor_cores(FAMILIES[family])
     rng = np.random.default_rng(0)
     rows, passed = [], True
     print(
@@ -295,7 +299,7 @@ def run_correctness(h, family):
                 }
             )
     print(f"correctness ({family}): {sum(r['passed'] for r in rows)}/{len(rows)} passed")
-    h.lib.th_set_tensor_cores(1)
+    h.lib.th_set_tensor_cores(FAMILIES["tensor_cores"])
     return rows, passed
 
 
@@ -405,8 +409,12 @@ def run_bench(h, profile=False):
             wc = w.permute(3, 2, 0, 1).contiguous(memory_format=torch.channels_last)
             dyc = dy.permute(0, 3, 1, 2)
             pad = k // 2
+            h.lib.th_set_tensor_cores(FAMILIES["tensor_cores_bf16"])
+            bf16_forward = time_ms(torch, ours(0, 1))
+            h.lib.th_set_tensor_cores(FAMILIES["tensor_cores"])
             timings = {
                 "binary_forward": time_ms(torch, ours(0, 1)),
+                "binary_forward_bf16": bf16_forward,
                 "float_input_forward": time_ms(torch, ours(0, 0)),
                 "backprop_input": time_ms(torch, ours(1, 0)),
                 "backprop_filter": time_ms(torch, ours(2, 0)),
@@ -453,6 +461,7 @@ def run_bench(h, profile=False):
             r = row[dtype_name]
             print(
                 f"{row['shape']:26} {dtype_name:8} binary fwd {timings['binary_forward']:7.3f} ms"
+                f" (bf16 {timings['binary_forward_bf16']:7.3f})"
                 f" vs cuDNN {timings['cudnn_forward']:7.3f} ms"
                 f" ({r['speedup_binary_forward_vs_cudnn']:5.2f}x, target >= 5x);"
                 f" bp_input {r['speedup_backprop_input_vs_cudnn']:5.2f}x;"
@@ -482,7 +491,7 @@ def main():
     gpu = h.lib.th_device_name().decode()
     print(f"GPU: {gpu}")
     correctness, passed = [], True
-    for family in ("tensor_cores", "cuda_cores"):
+    for family in FAMILIES:
         rows, ok = run_correctness(h, family)
         correctness += rows
         passed &= ok

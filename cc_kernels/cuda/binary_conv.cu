@@ -317,10 +317,8 @@ __global__ void __launch_bounds__(kThreads)
       const int c = n0 + tx + kLanes * j;
       if (c >= g.in_c) continue;
       const int idx = q * g.in_c + c;
-      const float mask = act_est == Estimator::kNone
-                             ? 1.0f
-                             : EstimatorGradF(act_est, ToFloat(x[idx]), clip);
-      dx[idx] = FromFloat<T>(acc[i][j] * mask);
+      dx[idx] =
+          FromFloat<T>(BackpropInputEpilogue(x, idx, act_est, clip, acc[i][j]));
     }
   }
 }

@@ -47,12 +47,14 @@ const char* BinaryConv2DBackpropFilter(DType dtype, const ConvShape& s,
                                        void* dw, void* workspace,
                                        CUstream_st* stream);
 
-// On GPUs of compute capability 8.0 and newer the calls above run bf16
-// tensor-core GEMMs (tc_conv.cu); elsewhere, or after
-// SetTensorCoreKernels(false), the CUDA-core kernels. Both compute the same
-// math (the tensor cores' float operands split in two bf16 planes: within
-// 2^-17 relative per product); the harness checks both. Process-wide.
-void SetTensorCoreKernels(bool enabled);
+// On GPUs of compute capability 8.0 and newer the calls above run
+// tensor-core GEMMs (tc_conv.cu): bf16, and int8 for the fully binary
+// forward; elsewhere the CUDA-core kernels. All compute the same math (the
+// bf16 GEMMs' float operands split in two planes: within 2^-17 relative per
+// product; the int8 one exact). For tests and benchmarks, process-wide:
+// level 0 the CUDA-core kernels everywhere, 1 bf16 tensor cores only,
+// 2 (the default) bf16 and int8.
+void SetTensorCoreKernels(int level);
 
 }  // namespace cuda
 }  // namespace tapehook

@@ -275,8 +275,13 @@ TAPEHOOK_HD DyColumn DyColumnAt(const Geom& g, int k) {
 // i: out * stride + d == i; false if there is none.
 TAPEHOOK_HD bool OutputCoord(int i, int d, int stride, int out_size, int* out) {
   const int t = i - d;
-  if (t < 0 || t % stride != 0) return false;
-  *out = t / stride;
+  if (t < 0) return false;
+  if (stride == 1) {  // the common case, without an integer division
+    *out = t;
+  } else {
+    if (t % stride != 0) return false;
+    *out = t / stride;
+  }
   return *out < out_size;
 }
 
@@ -298,6 +303,16 @@ TAPEHOOK_HD float ScaledSignWeightT(const Geom& g, const T* w,
                                     const float* alpha, DyColumn k, int c) {
   if (!k.valid || c >= g.in_c) return 0.0f;
   return alpha[k.o] * SignOf(ToFloat(w[(k.tap * g.in_c + c) * g.out_c + k.o]));
+}
+
+// dx[idx] from its GEMM sum: times e'(x[idx]) for a binarized input; x is
+// not read for a float one (kNone), where it may be null.
+template <typename T>
+TAPEHOOK_HD float BackpropInputEpilogue(const T* x, int idx, Estimator act_est,
+                                        float clip, float sum) {
+  return act_est == Estimator::kNone
+             ? sum
+             : sum * EstimatorGradF(act_est, ToFloat(x[idx]), clip);
 }
 
 // ---------------------------------------------------------------------------

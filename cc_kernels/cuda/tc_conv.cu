@@ -30,7 +30,7 @@ namespace cuda {
 
 namespace {
 
-std::atomic<bool> g_tensor_cores{true};
+std::atomic<int> g_level{2};  // SetTensorCoreKernels
 
 using Bf16 = __nv_bfloat16;
 
@@ -62,9 +62,10 @@ struct Layout {
 // A warp's accumulators: 2 (m16) x BN/16 (n8) mma fragments of 4 floats:
 // c[0], c[1] at (row lane / 4, columns 2 (lane % 4) + {0, 1}), c[2], c[3]
 // 8 rows below.
-template <int BN>
+// Float for the bf16 GEMMs, int for the int8 one.
+template <int BN, typename A = float>
 struct Accum {
-  float c[2][BN / 16][4];
+  A c[2][BN / 16][4];
 };
 
 template <int BN, int NA, int NB, bool kACol, bool kBCol>
@@ -76,7 +77,7 @@ constexpr size_t SharedBytes() {
   return stages > c ? stages : c;
 }
 
-__device__ __forceinline__ void CpAsync16(Bf16* dst, const Bf16* src,
+__device__ __forceinline__ void CpAsync16(Bf16* dst, const void* src,
                                           bool valid) {
 #if __CUDA_ARCH__ >= 800
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
@@ -98,9 +99,10 @@ __device__ __forceinline__ void CpAsyncWait() {
 #endif
 }
 
-// Copies segment `off` (-1: zeros) of every plane into its shared slot.
-template <int NP>
-__device__ __forceinline__ void CopySegment(const Bf16* const* src, Bf16* dst,
+// Copies segment `off` (-1: zeros; in elements E of the staged array) of
+// every plane into its shared slot (16 bytes whatever E is).
+template <int NP, typename E>
+__device__ __forceinline__ void CopySegment(const E* const* src, Bf16* dst,
                                             int plane, int off) {
 #pragma unroll
   for (int p = 0; p < NP; ++p) {
@@ -143,13 +145,28 @@ __device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4],
 #endif
 }
 
+// The int8 product: k32 per instruction, in the same registers and shared
+// bytes as a bf16 k16 step (16 bytes of k per fragment row).
+__device__ __forceinline__ void Mma(int (&c)[4], const uint32_t (&a)[4],
+                                    uint32_t b0, uint32_t b1) {
+#if __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
 // One stage's kBK-deep slice of the warp's 32 x BN/2 tile. A fragment
 // (m16 x k16) registers: (m 0-7, k 0-7), (m 8-15, k 0-7), (m 0-7, k 8-15),
 // (m 8-15, k 8-15); B (k16 x n8): (k 0-7), (k 8-15); one ldmatrix.x4 reads
 // an A fragment or two n8 B fragments.
-template <int BN, int NA, int NB, bool kACol, bool kBCol, int kProducts>
+template <int BN, int NA, int NB, bool kACol, bool kBCol, int kProducts,
+          typename AccT>
 __device__ __forceinline__ void ComputeStage(const Bf16* a, const Bf16* b,
-                                             int wm, int wn, Accum<BN>& acc) {
+                                             int wm, int wn,
+                                             Accum<BN, AccT>& acc) {
   using L = Layout<BN, kACol, kBCol>;
   constexpr int kN8 = BN / 16;
   const int lane = threadIdx.x % 32, j8 = lane / 8, r8 = lane % 8;
@@ -209,9 +226,10 @@ __device__ __forceinline__ void ComputeStage(const Bf16* a, const Bf16* b,
 // per step, empty past the end, so wait_group counts steps). Leaves the
 // accumulators in acc and shared memory free for the epilogue.
 template <int BN, int NA, int NB, bool kACol, bool kBCol, int kProducts,
-          class Load>
+          class Load, typename AccT>
 __device__ __forceinline__ void MainLoop(Bf16* smem, int chunks,
-                                         const Load& load, Accum<BN>& acc) {
+                                         const Load& load,
+                                         Accum<BN, AccT>& acc) {
   using L = Layout<BN, kACol, kBCol>;
   const int warp = threadIdx.x / 32, wm = warp % 4, wn = warp / 4;
 #pragma unroll
@@ -219,7 +237,7 @@ __device__ __forceinline__ void MainLoop(Bf16* smem, int chunks,
 #pragma unroll
     for (int j = 0; j < BN / 16; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc.c[i][j][e] = 0.0f;
+      for (int e = 0; e < 4; ++e) acc.c[i][j][e] = 0;
     }
   }
   constexpr int kStage = NA * L::kAPlane + NB * L::kBPlane;
@@ -249,8 +267,8 @@ __device__ __forceinline__ void MainLoop(Bf16* smem, int chunks,
 // Writes the block's accumulators to shared memory as [kBM][kCPitch] floats
 // and calls store(row, col, value) for each of the tile's elements, columns
 // fastest (coalesced global stores).
-template <int BN, bool kACol, bool kBCol, class Store>
-__device__ __forceinline__ void Epilogue(Bf16* smem, const Accum<BN>& acc,
+template <int BN, bool kACol, bool kBCol, class Store, typename AccT>
+__device__ __forceinline__ void Epilogue(Bf16* smem, const Accum<BN, AccT>& acc,
                                          const Store& store) {
   using L = Layout<BN, kACol, kBCol>;
   float* cs = reinterpret_cast<float*>(smem);
@@ -264,7 +282,7 @@ __device__ __forceinline__ void Epilogue(Bf16* smem, const Accum<BN>& acc,
       for (int e = 0; e < 4; ++e) {
         const int row = wm * 32 + 16 * i + lane / 4 + 8 * (e / 2);
         const int col = wn * (BN / 2) + 8 * j + 2 * (lane % 4) + e % 2;
-        cs[row * L::kCPitch + col] = acc.c[i][j][e];
+        cs[row * L::kCPitch + col] = float(acc.c[i][j][e]);  // int: exact
       }
     }
   }
@@ -281,8 +299,8 @@ __device__ __forceinline__ void Epilogue(Bf16* smem, const Accum<BN>& acc,
 // Issues the copies of one R x S (segments) operand tile: thread-constant
 // (row, segment) pairs idx = threadIdx.x + kThreads * i, off(i, row, seg)
 // the staged offset of each (-1: zeros).
-template <int R, int S, int NP, class Off>
-__device__ __forceinline__ void LoadTile(const Bf16* const* src, Bf16* dst,
+template <int R, int S, int NP, typename E, class Off>
+__device__ __forceinline__ void LoadTile(const E* const* src, Bf16* dst,
                                          int pitch, int plane, const Off& off) {
   static_assert(R * S % kThreads == 0, "whole passes only");
 #pragma unroll
@@ -339,6 +357,49 @@ __global__ void __launch_bounds__(kThreads, 2)
 #endif
 }
 
+// The fully binary forward on int8: A = staged sign(x) [in_pix, cq], B =
+// staged sign(W) [taps, out_c, cq] read as k-contiguous columns; kBK bf16
+// of a stage row are 2 kBK int8 channels. The int32 sums are exact.
+template <int BN, typename T>
+__global__ void __launch_bounds__(kThreads, 2)
+    TcForwardInt8Kernel(TcGeom t, const int8_t* xs, const int8_t* wt,
+                        const float* alpha, T* y) {
+#if __CUDA_ARCH__ >= 800
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  Bf16* smem = reinterpret_cast<Bf16*>(smem_raw);
+  using L = Layout<BN, false, true>;
+  constexpr int kDepth8 = 2 * kBK;  // int8 channels per step
+  const Geom& g = t.g;
+  const int m0 = blockIdx.x * kBM, n0 = blockIdx.y * BN;
+  OutPixel px[kARowLoads];
+#pragma unroll
+  for (int i = 0; i < kARowLoads; ++i) px[i] = OutPixelAt(g, m0 + ARow(i));
+  TapWalk walk;
+  auto load = [&](Bf16* a, Bf16* b) {
+    LoadTile<kBM, kASegs, 1>(&xs, a, L::kAPitch, L::kAPlane,
+                             [&](int i, int, int s) {
+                               return TcForwardA8(t, px[i], walk.dh, walk.dw,
+                                                  walk.k0 + s * kTcSegment8);
+                             });
+    // B col-major: row = output channel, segments along c.
+    LoadTile<BN, kASegs, 1>(
+        &wt, b, L::kBPitch, L::kBPlane, [&](int, int r, int s) {
+          return TcFilterT8(t, walk.tap, n0 + r, walk.k0 + s * kTcSegment8);
+        });
+    walk.Next(g, kDepth8, t.cq);
+  };
+  Accum<BN, int> acc;
+  MainLoop<BN, 1, 1, false, true, kHiHi>(smem, g.taps * CeilDiv(t.cq, kDepth8),
+                                         load, acc);
+  Epilogue<BN, false, true>(smem, acc, [&](int r, int col, float v) {
+    const int p = m0 + r, o = n0 + col;
+    if (p < g.out_pix && o < g.out_c) {
+      y[p * g.out_c + o] = FromFloat<T>(v * alpha[o]);
+    }
+  });
+#endif
+}
+
 template <int BN, typename T>
 __global__ void __launch_bounds__(kThreads, 2)
     TcBackpropInputKernel(TcGeom t, const Bf16* dy0, const Bf16* dy1,
@@ -375,10 +436,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     const int qi = m0 + r, c = n0 + col;
     if (qi < g.in_pix && c < g.in_c) {
       const int idx = qi * g.in_c + c;
-      const float mask = act_est == Estimator::kNone
-                             ? 1.0f
-                             : EstimatorGradF(act_est, ToFloat(x[idx]), clip);
-      dx[idx] = FromFloat<T>(v * mask);
+      dx[idx] = FromFloat<T>(BackpropInputEpilogue(x, idx, act_est, clip, v));
     }
   });
 #endif
@@ -436,25 +494,69 @@ int GridFor(long long total) {
       std::max(1LL, std::min((total + kThreads - 1) / kThreads, 8192LL)));
 }
 
-// [rows, cols] -> hi (and lo, if not null) planes [rows, pitch].
+// The staging kernels take one 16-byte segment of a stage per thread (pitch
+// is a multiple of kTcSegment) and store it whole.
+struct alignas(16) StagedSegment {
+  Bf16 v[kTcSegment];
+};
+
+// [rows, cols] -> hi and lo planes [rows, pitch].
 template <typename T>
 __global__ void StageFloatKernel(const T* src, int rows, int cols, int pitch,
                                  const float* scale, Bf16* hi, Bf16* lo) {
-  const int total = rows * pitch;
+  const int segs = pitch / kTcSegment, total = rows * segs;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total;
        i += gridDim.x * blockDim.x) {
-    SplitBf16(StagedValue(src, cols, scale, i / pitch, i % pitch), hi + i,
-              lo + i);
+    const int r = i / segs, c0 = (i % segs) * kTcSegment;
+    StagedSegment h, l;
+#pragma unroll
+    for (int e = 0; e < kTcSegment; ++e) {
+      SplitBf16(StagedValue(src, cols, scale, r, c0 + e), &h.v[e], &l.v[e]);
+    }
+    reinterpret_cast<StagedSegment*>(hi)[i] = h;
+    reinterpret_cast<StagedSegment*>(lo)[i] = l;
   }
 }
 
 template <typename T>
 __global__ void StageSignKernel(const T* src, int rows, int cols, int pitch,
                                 Bf16* out) {
-  const int total = rows * pitch;
+  const int segs = pitch / kTcSegment, total = rows * segs;
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total;
        i += gridDim.x * blockDim.x) {
-    out[i] = __float2bfloat16_rn(StagedSign(src, cols, i / pitch, i % pitch));
+    const int r = i / segs, c0 = (i % segs) * kTcSegment;
+    StagedSegment v;
+#pragma unroll
+    for (int e = 0; e < kTcSegment; ++e) {
+      v.v[e] = __float2bfloat16_rn(StagedSign(src, cols, r, c0 + e));
+    }
+    reinterpret_cast<StagedSegment*>(out)[i] = v;
+  }
+}
+
+// sign(x) [rows, cols] -> int8 [rows, pitch8], 16 channels per thread.
+template <typename T>
+__global__ void StageSign8Kernel(const T* src, int rows, int cols, int pitch8,
+                                 int8_t* out) {
+  const int segs = pitch8 / kTcSegment8, total = rows * segs;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total;
+       i += gridDim.x * blockDim.x) {
+    const int r = i / segs, c0 = (i % segs) * kTcSegment8;
+    alignas(16) int8_t v[kTcSegment8];
+#pragma unroll
+    for (int e = 0; e < kTcSegment8; ++e) {
+      v[e] = int8_t(StagedSign(src, cols, r, c0 + e));
+    }
+    reinterpret_cast<uint4*>(out)[i] = *reinterpret_cast<const uint4*>(v);
+  }
+}
+
+template <typename T>
+__global__ void StageFilterT8Kernel(TcGeom t, const T* w, int8_t* out) {
+  const int total = t.g.taps * t.g.out_c * t.cq;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < total;
+       i += gridDim.x * blockDim.x) {
+    out[i] = int8_t(StagedFilterSignT(t, w, i));
   }
 }
 
@@ -470,9 +572,10 @@ __global__ void StageFilterKernel(TcGeom t, const T* w, Bf16* out) {
 // Workspace carving: aligned bf16 planes one after the other.
 struct Carver {
   char* p;
-  Bf16* Take(size_t elems) {
-    Bf16* out = reinterpret_cast<Bf16*>(p);
-    p += AlignUp(elems * sizeof(Bf16));
+  template <typename E = Bf16>
+  E* Take(size_t elems) {
+    E* out = reinterpret_cast<E*>(p);
+    p += AlignUp(elems * sizeof(E));
     return out;
   }
 };
@@ -487,15 +590,17 @@ size_t WPlane(const TcGeom& t) {
 template <typename T>
 void StageFloat(const T* src, int rows, int cols, int pitch, const float* scale,
                 Bf16* hi, Bf16* lo, cudaStream_t stream) {
-  StageFloatKernel<T><<<GridFor(1LL * rows * pitch), kThreads, 0, stream>>>(
-      src, rows, cols, pitch, scale, hi, lo);
+  StageFloatKernel<T>
+      <<<GridFor(1LL * rows * pitch / kTcSegment), kThreads, 0, stream>>>(
+          src, rows, cols, pitch, scale, hi, lo);
 }
 
 template <typename T>
 void StageSign(const T* src, int rows, int cols, int pitch, Bf16* out,
                cudaStream_t stream) {
-  StageSignKernel<T><<<GridFor(1LL * rows * pitch), kThreads, 0, stream>>>(
-      src, rows, cols, pitch, out);
+  StageSignKernel<T>
+      <<<GridFor(1LL * rows * pitch / kTcSegment), kThreads, 0, stream>>>(
+          src, rows, cols, pitch, out);
 }
 
 template <typename T>
@@ -529,10 +634,10 @@ constexpr int kMaxSplits = 64;
 
 }  // namespace
 
-void SetTensorCoreKernels(bool enabled) { g_tensor_cores = enabled; }
+void SetTensorCoreKernels(int level) { g_level = level; }
 
 bool TensorCoresUsable() {
-  if (!g_tensor_cores) return false;
+  if (g_level < 1) return false;
   int device = 0, major = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
@@ -557,7 +662,11 @@ int TcFilterSplits(const Geom& g) {
 
 size_t TcForwardBytes(const Geom& g, bool binary_input) {
   const TcGeom t = MakeTcGeom(g);
-  return (binary_input ? 1 : 2) * XPlane(t) + WPlane(t);
+  const size_t bf16 = (binary_input ? 1 : 2) * XPlane(t) + WPlane(t);
+  if (!binary_input) return bf16;
+  const size_t int8 = AlignUp(size_t(g.in_pix) * t.cq) +
+                      AlignUp(size_t(g.taps) * g.out_c * t.cq);
+  return std::max(bf16, int8);
 }
 
 size_t TcBackpropInputBytes(const Geom& g) {
@@ -576,6 +685,24 @@ const char* TcForward(const Geom& g, const T* x, const T* w, bool binary_input,
                       cudaStream_t stream) {
   const TcGeom t = MakeTcGeom(g);
   Carver carve{static_cast<char*>(workspace)};
+  if (binary_input && g_level >= 2) {
+    int8_t* x8 = carve.Take<int8_t>(size_t(g.in_pix) * t.cq);
+    int8_t* w8 = carve.Take<int8_t>(size_t(g.taps) * g.out_c * t.cq);
+    StageSign8Kernel<T>
+        <<<GridFor(1LL * g.in_pix * t.cq / kTcSegment8), kThreads, 0, stream>>>(
+            x, g.in_pix, g.in_c, t.cq, x8);
+    StageFilterT8Kernel<T>
+        <<<GridFor(1LL * g.taps * g.out_c * t.cq), kThreads, 0, stream>>>(t, w,
+                                                                          w8);
+    if (Wide(g.out_c)) {
+      return Launch(TcForwardInt8Kernel<128, T>,
+                    SharedBytes<128, 1, 1, false, true>(),
+                    Grid(g.out_pix, g.out_c, 128), stream, t, x8, w8, alpha, y);
+    }
+    return Launch(TcForwardInt8Kernel<64, T>,
+                  SharedBytes<64, 1, 1, false, true>(),
+                  Grid(g.out_pix, g.out_c, 64), stream, t, x8, w8, alpha, y);
+  }
   Bf16* ws = carve.Take(size_t(g.taps) * t.cp * t.op);
   Bf16* x0 = carve.Take(size_t(g.in_pix) * t.cp);
   StageFilter(t, w, ws, stream);

@@ -29,15 +29,19 @@ constexpr int kTcSegment = 8;  // bf16 elements per 16-byte segment
 
 TAPEHOOK_HD int RoundUpTo(int n, int m) { return (n + m - 1) / m * m; }
 
+constexpr int kTcSegment8 = 16;  // int8 elements per 16-byte segment
+
 // Geom plus the padded channel counts of the staged arrays.
 struct TcGeom {
   Geom g;
   int cp;  // in_c rounded up to kTcSegment
   int op;  // out_c rounded up to kTcSegment
+  int cq;  // in_c rounded up to kTcSegment8 (int8 stages)
 };
 
 inline TcGeom MakeTcGeom(const Geom& g) {
-  return {g, RoundUpTo(g.in_c, kTcSegment), RoundUpTo(g.out_c, kTcSegment)};
+  return {g, RoundUpTo(g.in_c, kTcSegment), RoundUpTo(g.out_c, kTcSegment),
+          RoundUpTo(g.in_c, kTcSegment8)};
 }
 
 TAPEHOOK_HD int TapDh(const Geom& g, int tap) {
@@ -86,6 +90,16 @@ TAPEHOOK_HD float StagedFilterSign(const TcGeom& t, const T* w, int i) {
   return SignOf(ToFloat(w[(tap * t.g.in_c + c) * t.g.out_c + o]));
 }
 
+// sign(W) staged as int8 [taps, out_c, cq] (each filter column's channels
+// contiguous: the fully binary forward's B, k-contiguous) at element i.
+template <typename T>
+TAPEHOOK_HD float StagedFilterSignT(const TcGeom& t, const T* w, int i) {
+  const int c = i % t.cq, rest = i / t.cq;
+  const int o = rest % t.g.out_c, tap = rest / t.g.out_c;
+  if (c >= t.g.in_c) return 0.0f;
+  return SignOf(ToFloat(w[(tap * t.g.in_c + c) * t.g.out_c + o]));
+}
+
 // ---------------------------------------------------------------------------
 // Segments.
 
@@ -97,6 +111,22 @@ TAPEHOOK_HD int TcForwardA(const TcGeom& t, OutPixel px, int dh, int dw,
   if (!px.valid || c >= t.cp) return -1;
   const int pix = InputPixelIndex(t.g, px, dh, dw);
   return pix < 0 ? -1 : pix * t.cp + c;
+}
+
+// The fully binary forward on int8 (exact: +-1 products summed in int32):
+// A = sign(x) staged as int8 [in_pix, cq], segments of 16 channels.
+TAPEHOOK_HD int TcForwardA8(const TcGeom& t, OutPixel px, int dh, int dw,
+                            int c) {
+  if (!px.valid || c >= t.cq) return -1;
+  const int pix = InputPixelIndex(t.g, px, dh, dw);
+  return pix < 0 ? -1 : pix * t.cq + c;
+}
+
+// B = sign(W) staged as int8 [taps, out_c, cq]: filter column o of tap,
+// channels [c, c + 16).
+TAPEHOOK_HD int TcFilterT8(const TcGeom& t, int tap, int o, int c) {
+  if (o >= t.g.out_c || c >= t.cq) return -1;
+  return (tap * t.g.out_c + o) * t.cq + c;
 }
 
 // Staged sign(W) of row (tap, c), columns [o, o + 8): Forward's B

@@ -51,11 +51,9 @@ const char* th_geometry(int padding, int64_t pad_t, int64_t pad_b,
   return err.empty() ? nullptr : err.c_str();
 }
 
-// 1: tensor-core kernels where the GPU has them (the default); 0: the
-// CUDA-core kernels everywhere.
-void th_set_tensor_cores(int enabled) {
-  cuda::SetTensorCoreKernels(enabled != 0);
-}
+// Kernel family, cuda::SetTensorCoreKernels' level: 2 (the default) bf16
+// and int8 tensor cores where the GPU has them, 1 bf16 only, 0 CUDA cores.
+void th_set_tensor_cores(int level) { cuda::SetTensorCoreKernels(level); }
 
 // op: 0 forward, 1 backprop input, 2 backprop filter.
 size_t th_workspace_bytes(int op, const ConvShape* s, int binary) {

@@ -158,7 +158,7 @@ std::vector<float> BackpropInputHost(const Geom& g, const T* x, const T* w,
       }
       if (q >= g.in_pix || c >= g.in_c) continue;
       const int idx = q * g.in_c + c;
-      dx[idx] = acc * EstimatorGradF(sp.act, ToFloat(x[idx]), sp.clip);
+      dx[idx] = BackpropInputEpilogue(x, idx, sp.act, sp.clip, acc);
     }
   }
   return dx;
@@ -278,6 +278,44 @@ std::vector<float> TcForwardHost(const Geom& g, const T* x, const T* w,
   return y;
 }
 
+// The fully binary forward on int8 (TcForwardInt8Kernel): int sums.
+template <typename T>
+std::vector<float> TcForwardInt8Host(const Geom& g, const T* x, const T* w,
+                                     const Spec& sp) {
+  const TcGeom t = MakeTcGeom(g);
+  std::vector<int> xs(size_t(g.in_pix) * t.cq);
+  for (size_t i = 0; i < xs.size(); ++i) {
+    xs[i] = int(StagedSign(x, g.in_c, int(i / t.cq), int(i % t.cq)));
+  }
+  std::vector<int> wt(size_t(g.taps) * g.out_c * t.cq);
+  for (size_t i = 0; i < wt.size(); ++i) {
+    wt[i] = int(StagedFilterSignT(t, w, int(i)));
+  }
+  auto at = [](const std::vector<int>& v, int off, int e) {
+    return off < 0 ? 0 : v[off + e];
+  };
+  const std::vector<float> alpha = Alpha(g, w, sp.scale);
+  std::vector<float> y(size_t(g.out_pix) * g.out_c);
+  constexpr int kDepth8 = 2 * kTcDepth;
+  for (int p = 0; p < RoundUp(g.out_pix, kTcRows); ++p) {
+    const OutPixel px = OutPixelAt(g, p);
+    for (int o = 0; o < RoundUp(g.out_c, 64); ++o) {
+      int acc = 0;
+      TapWalk walk;
+      for (int step = 0; step < g.taps * RoundUp(t.cq, kDepth8) / kDepth8;
+           ++step, walk.Next(g, kDepth8, t.cq)) {
+        for (int c = walk.k0; c < walk.k0 + kDepth8; ++c) {
+          acc += at(xs, TcForwardA8(t, px, walk.dh, walk.dw, c / 16 * 16),
+                    c % 16) *
+                 at(wt, TcFilterT8(t, walk.tap, o, c / 16 * 16), c % 16);
+        }
+      }
+      if (px.valid && o < g.out_c) y[p * g.out_c + o] = float(acc) * alpha[o];
+    }
+  }
+  return y;
+}
+
 template <typename T>
 std::vector<float> TcBackpropInputHost(const Geom& g, const T* x, const T* w,
                                        const T* dy, const Spec& sp) {
@@ -302,7 +340,7 @@ std::vector<float> TcBackpropInputHost(const Geom& g, const T* x, const T* w,
       }
       if (qi >= g.in_pix || c >= g.in_c) continue;
       const int idx = qi * g.in_c + c;
-      dx[idx] = acc * EstimatorGradF(sp.act, ToFloat(x[idx]), sp.clip);
+      dx[idx] = BackpropInputEpilogue(x, idx, sp.act, sp.clip, acc);
     }
   }
   return dx;
@@ -411,6 +449,10 @@ void RunCase(const Case& c, const Spec& sp, const ConvShape& s,
   Compare(rounded(y), want, tol, name + " forward");
   Compare(rounded(TcForwardHost(g, xt.data(), wt.data(), sp)), want, tol,
           name + " tc forward");
+  if (sp.binary) {
+    Compare(rounded(TcForwardInt8Host(g, xt.data(), wt.data(), sp)), want, tol,
+            name + " tc int8 forward");
+  }
 
   want.assign(x.size(), 0.0f);
   BinaryConv2DBackpropInput<float>(s, xr.data(), wr.data(), dyr.data(), sp.act,
