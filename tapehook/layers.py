@@ -417,25 +417,27 @@ _ARGMAX_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 
 def _max_pool_keeping_argmax(x, ksize, strides, padding):
     """NHWC max pool of ``x`` whose backward keeps the position of each
-    window's maximum (int32 where one image has fewer than 2**31 elements)
-    instead of the pool's input and output, which stock MaxPoolGrad reads.
-    The same output and gradient as tf.nn.max_pool2d's (the first maximum
-    of a window in row-major order gets its gradient, as in MaxPoolGrad)."""
+    window's maximum instead of the pool's input and output, which stock
+    MaxPoolGrad reads: one byte per output element (its tap in the window,
+    tapehook's kernels: float32 on the CPU, windows of up to 127 taps), else
+    an int32 index within the image (int64 where one image has 2**31
+    elements or more). The same output and gradient as tf.nn.max_pool2d's
+    (the first maximum of a window in row-major order gets its gradient, as
+    in MaxPoolGrad)."""
     ksize = [1, *ksize, 1]
     strides = [1, *strides, 1]
+    library = kernels.library()
+    # tapehook's kernels (float32, CPU): TF's MaxPoolWithArgmax CPU kernel
+    # takes 13x as long at Bi-Real-Net's stem pool (30 against 2.2 ms,
+    # 32x56x56x64); both give the same outputs and positions.
+    ours = (
+        library is not None and x.dtype == tf.float32 and not tf.config.list_logical_devices("GPU")
+    )
+    if ours and ksize[1] * ksize[2] <= _MAX_POOL_TAPS:
+        return _max_pool_keeping_taps(library, x, ksize, strides, padding)
     per_image = x.shape[1:].num_elements()
     index_dtype = tf.int32 if per_image is not None and per_image < 2**31 else tf.int64
-
-    library = kernels.library()
-    # tapehook's kernel (float32, int32 indices, CPU): TF's MaxPoolWithArgmax
-    # CPU kernel takes 13x as long at Bi-Real-Net's stem pool (30 against
-    # 2.2 ms, 32x56x56x64); both give the same outputs and indices.
-    ours = (
-        library is not None
-        and x.dtype == tf.float32
-        and index_dtype == tf.int32
-        and not tf.config.list_logical_devices("GPU")
-    )
+    ours = ours and index_dtype == tf.int32
 
     @tf.custom_gradient
     def pool(x):
@@ -480,6 +482,59 @@ def _max_pool_keeping_argmax(x, ksize, strides, padding):
     return pool(x)
 
 
+# Taps a window may have for its maximum's tap to fit one byte
+# (core/max_pool.h kMaxPoolTaps).
+_MAX_POOL_TAPS = 127
+
+
+def _max_pool_keeping_taps(library, x, ksize, strides, padding):
+    """_max_pool_keeping_argmax on tapehook's kernels, keeping one byte per
+    output element (TapehookMaxPoolTaps). Where ``x`` is a graph's ReLU
+    output, the taps also mark windows whose maximum is not > 0, and, if
+    the pool is that output's only reader when the backward is built, the
+    pool's gradient is that of the ReLU's input (ReluGrad applied), so the
+    ReLU's own backward, which reads its float output, does not run. With
+    other readers the pool's gradient goes to the ReLU's output, whose
+    stock backward then adds all of them first, as without tapehook."""
+    attrs = dict(ksize=ksize, strides=strides, padding=padding)
+    relu = not tf.executing_eagerly() and x.op.type == "Relu"
+    inputs = (x.op.inputs[0], x) if relu else (x,)
+
+    @tf.custom_gradient
+    def pool(*inputs):
+        y, taps = library.tapehook_max_pool_taps(x, relu=relu, **attrs)
+        shape = tf.shape(x)
+
+        def grad(dy):
+            # The graph is whole now: x's readers are the pool and the
+            # IdentityN of this custom gradient, or more.
+            fused = relu and all(
+                op is y.op or (op.type == "IdentityN" and any(t is y for t in op.inputs))
+                for op in x.consumers()
+            )
+
+            @tf.custom_gradient
+            def backprop(dy):
+                dx = library.tapehook_max_pool_taps_grad(dy, taps, shape, relu=fused, **attrs)
+
+                def grad_of_grad(v):
+                    # dx is linear in dy: its transpose reads v at each tap
+                    # (as MaxPoolGradGrad does, after ReluGrad's gradient
+                    # when fused).
+                    return library.tapehook_max_pool_taps_gather(v, taps, relu=fused, **attrs)
+
+                return dx, grad_of_grad
+
+            dx = backprop(dy)
+            if not relu:
+                return dx
+            return (dx, None) if fused else (None, dx)
+
+        return y, grad
+
+    return pool(*inputs)
+
+
 @keras.saving.register_keras_serializable(package=_PACKAGE)
 class MaxPooling2D(keras.layers.MaxPooling2D):
     """``keras.layers.MaxPooling2D`` whose training calls keep less for the
@@ -488,22 +543,25 @@ class MaxPooling2D(keras.layers.MaxPooling2D):
     Takes every argument of Keras 3's layer, plus ``save_argmax``. With
     ``save_argmax=True`` (default), a training call (``training=True``:
     Keras ``fit``, or ``model(x, training=True)`` under a tape) on a
-    channels-last input runs a max pool with argmax (tapehook's kernel for
-    float32 on the CPU, else TensorFlow's MaxPoolWithArgmax) and its backward
-    keeps one int32 index per *output* element (where in the image the
-    window's maximum was) instead of the pool's float input and output that
-    stock MaxPoolGrad reads: for a 3x3 / stride 2 pool (Bi-Real-Net's and
-    ResNet's stem), 4 bytes per output element instead of 20. Outputs and
-    gradients equal the stock layer's bit for bit (ties included: the first
-    maximum of a window in row-major order gets the gradient, as in
-    MaxPoolGrad) where TF runs its own MaxPoolGrad; with oneDNN on, a graph's
-    MaxPoolGrad is rewritten to oneDNN's, which adds overlapping windows'
-    gradients in another order (equal to float rounding). Inference calls,
-    ``channels_first`` inputs, XLA-compiled graphs (MaxPoolWithArgmax has no
-    XLA kernel) and input dtypes other than float16 / bfloat16 / float32 /
-    float64 run Keras's layer, as does
-    ``save_argmax=False``. Second derivatives through the argmax path gather
-    at the kept indices, as MaxPoolGradGrad does.
+    channels-last input keeps, per *output* element, where its window's
+    maximum was, instead of the pool's float input and output that stock
+    MaxPoolGrad reads: one byte (the tap within the window; tapehook's
+    kernels, float32 on the CPU, windows of up to 127 taps), else an int32
+    index within the image (TensorFlow's MaxPoolWithArgmax). In a graph
+    (``tf.function``, Keras ``fit``), a pool whose input is a ReLU's output
+    and its only reader also does that ReLU's backward, so the ReLU's float
+    output is not kept either (QuickNet's transitions); the gradient with
+    respect to that ReLU output itself is then None (what flows further
+    back is unchanged). Outputs and gradients equal the stock layer's bit
+    for bit (ties included: the first maximum of a window in row-major
+    order gets the gradient, as in MaxPoolGrad) where TF runs its own
+    MaxPoolGrad; with oneDNN on, a graph's MaxPoolGrad is rewritten to
+    oneDNN's, which adds overlapping windows' gradients in another order
+    (equal to float rounding). Inference calls, ``channels_first`` inputs,
+    XLA-compiled graphs (MaxPoolWithArgmax has no XLA kernel) and input
+    dtypes other than float16 / bfloat16 / float32 / float64 run Keras's
+    layer, as does ``save_argmax=False``. Second derivatives gather at the
+    kept positions, as MaxPoolGradGrad does.
     """
 
     def __init__(self, *args, save_argmax=True, **kwargs):

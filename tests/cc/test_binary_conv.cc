@@ -25,6 +25,7 @@
 #include "cc_kernels/core/cpu.h"
 #include "cc_kernels/core/lut_backprop.h"
 #include "cc_kernels/core/lut_backprop_avx2.h"
+#include "cc_kernels/core/max_pool.h"
 #include "cc_kernels/core/pack_input.h"
 #include "cc_kernels/core/packed_backprop.h"
 #include "cc_kernels/core/plan.h"
@@ -1143,10 +1144,141 @@ int RunSweep(const char* isa) {
   return failed;
 }
 
+// ---------------------------------------------------------------------------
+// The one-byte max pool (max_pool.h) against loops from its definition:
+// the first in-image tap in row-major order, a later one only where strictly
+// greater; dx = MaxPoolGrad's sum in output order, then with relu ReluGrad's
+// product by (r > 0) at every position; the gather reads ReluGrad(v) at the
+// maximum. Bitwise, zero signs and NaNs included, under every ParallelFor.
+
+bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() &&
+         std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+void TestMaxPoolTapsCase(ConvShape s, bool same, bool relu,
+                         std::mt19937_64& rng) {
+  s.in_c = s.out_c = 1;
+  const std::string problem = tapehook::ComputeConvGeometry(
+      same ? Padding::kSame : Padding::kValid, 0, 0, 0, 0, &s);
+  CHECK(problem.empty(), "%s", problem.c_str());
+  s.in_c = s.out_c = 1 + static_cast<int64_t>(rng() % 37);
+  const int64_t c = s.in_c;
+  const int64_t in_size = s.batch * s.in_h * s.in_w * c;
+  const int64_t out_size = s.batch * s.out_h * s.out_w * c;
+  // Halves in [-2, 2] (ties, zeros, -0.0), a few NaN and -inf; a ReLU's
+  // output where relu.
+  std::vector<float> x(in_size), dy(out_size), v(in_size);
+  for (float& t : x) {
+    const int64_t r = static_cast<int64_t>(rng() % 40);
+    t = r == 0   ? std::numeric_limits<float>::quiet_NaN()
+        : r == 1 ? -std::numeric_limits<float>::infinity()
+        : r == 2 ? -0.0f
+                 : static_cast<float>(static_cast<int64_t>(rng() % 9) - 4) / 2;
+    if (relu) t = t > 0.0f ? t : (std::isnan(t) ? t : 0.0f);
+  }
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (float& t : dy) t = u(rng);
+  for (float& t : v) t = u(rng);
+  // The reference.
+  std::vector<float> want_y(out_size), want_dx(in_size, 0.0f),
+      want_gather(out_size, 0.0f);
+  std::vector<int64_t> at(out_size, -1);
+  for (int64_t n = 0; n < s.batch; ++n)
+    for (int64_t oh = 0; oh < s.out_h; ++oh)
+      for (int64_t ow = 0; ow < s.out_w; ++ow)
+        for (int64_t k = 0; k < c; ++k) {
+          const int64_t o = ((n * s.out_h + oh) * s.out_w + ow) * c + k;
+          for (int64_t i = 0; i < s.k_h; ++i)
+            for (int64_t j = 0; j < s.k_w; ++j) {
+              const int64_t ih = oh * s.stride_h - s.pad_top + i;
+              const int64_t iw = ow * s.stride_w - s.pad_left + j;
+              if (ih < 0 || ih >= s.in_h || iw < 0 || iw >= s.in_w) continue;
+              const int64_t p = ((n * s.in_h + ih) * s.in_w + iw) * c + k;
+              if (at[o] < 0 || x[at[o]] < x[p]) at[o] = p;
+            }
+          want_y[o] = x[at[o]];
+          want_dx[at[o]] += dy[o];
+        }
+  std::vector<float> read = v;  // ReluGrad(v) where relu
+  for (int64_t p = 0; relu && p < in_size; ++p) {
+    const float live = x[p] > 0.0f ? 1.0f : 0.0f;
+    want_dx[p] *= live;
+    read[p] *= live;
+  }
+  for (int64_t o = 0; o < out_size; ++o) want_gather[o] = read[at[o]];
+  for (const NamedFor& f : AllFors()) {
+    std::vector<float> y(out_size), dx(in_size), gather(out_size);
+    std::vector<int8_t> taps(out_size);
+    tapehook::MaxPoolTaps(s, x.data(), relu, y.data(), taps.data(), f.pf);
+    CHECK(SameBits(y, want_y), "MaxPoolTaps y [%s]", f.name);
+    CHECK(tapehook::MaxPoolTapsBackprop(s, dy.data(), taps.data(), relu,
+                                        dx.data(), f.pf),
+          "valid taps rejected [%s]", f.name);
+    CHECK(SameBits(dx, want_dx), "MaxPoolTapsBackprop relu=%d [%s]", relu,
+          f.name);
+    CHECK(tapehook::MaxPoolTapsGather(s, v.data(), taps.data(), relu,
+                                      gather.data(), f.pf),
+          "valid taps rejected [%s]", f.name);
+    CHECK(SameBits(gather, want_gather), "MaxPoolTapsGather relu=%d [%s]", relu,
+          f.name);
+    // A tap beyond its window, or (SAME) in the padding: false, no write
+    // outside dx (the sanitizer run would see it).
+    for (const int8_t bad :
+         {static_cast<int8_t>(s.k_h * s.k_w), static_cast<int8_t>(127),
+          static_cast<int8_t>(~(s.k_h * s.k_w))}) {
+      std::vector<int8_t> wrong = taps;
+      wrong[out_size - 1] = bad;
+      CHECK(!tapehook::MaxPoolTapsBackprop(s, dy.data(), wrong.data(), relu,
+                                           dx.data(), f.pf),
+            "tap %d accepted [%s]", bad, f.name);
+      CHECK(!tapehook::MaxPoolTapsGather(s, v.data(), wrong.data(), relu,
+                                         gather.data(), f.pf),
+            "tap %d accepted [%s]", bad, f.name);
+    }
+  }
+}
+
+void TestMaxPoolTaps() {
+  std::mt19937_64 rng(19);
+  struct Case {
+    int64_t batch, in_h, in_w, k_h, k_w, stride_h, stride_w;
+    bool same;
+  };
+  const Case cases[] = {
+      {2, 13, 11, 3, 3, 2, 2, true},  {1, 12, 12, 2, 2, 2, 2, false},
+      {2, 9, 10, 3, 2, 1, 2, true},   {1, 7, 8, 4, 4, 3, 3, true},
+      {3, 5, 5, 5, 5, 1, 1, false},   {1, 6, 6, 1, 1, 2, 2, true},
+      {2, 8, 8, 3, 3, 1, 1, true},    {1, 16, 16, 11, 11, 5, 5, true},
+      {1, 3, 20, 1, 20, 1, 1, false},
+  };
+  const tapehook::cpu::Switches env = tapehook::cpu::FromEnvironment();
+  for (const bool no_simd : {false, true}) {
+    tapehook::cpu::SetSwitchesForTest(
+        {env.no_amx, no_simd || env.no_avx512, no_simd || env.no_avx2});
+    for (const Case& k : cases) {
+      for (const bool relu : {false, true}) {
+        ConvShape s;
+        s.batch = k.batch;
+        s.in_h = k.in_h;
+        s.in_w = k.in_w;
+        s.k_h = k.k_h;
+        s.k_w = k.k_w;
+        s.stride_h = k.stride_h;
+        s.stride_w = k.stride_w;
+        TestMaxPoolTapsCase(s, k.same, relu, rng);
+      }
+    }
+  }
+  tapehook::cpu::ClearSwitchesForTest();
+  std::printf("max_pool taps: %zu cases x relu x tiers, %d failures so far\n",
+              sizeof(cases) / sizeof(cases[0]), g_failures);
+}
 }  // namespace
 
 int main() {
   TestGeometry();
+  TestMaxPoolTaps();
   TestParsingAndEstimators();
   TestEmptyBatch();
   TestPlans();
