@@ -82,7 +82,8 @@ IMPLS = (
 # optimizer tapehook.optimizers.Adam (TF's fused ops, as tf-keras and so larq
 # 0.14 train with) instead of Keras 3's. "tapehook-recompute": tapehook-fused
 # with BatchNormalization(recompute=True) (the convs' outputs rebuilt in the
-# backward instead of kept) and tapehook.layers.MaxPooling2D (argmax kept).
+# backward instead of kept) and tapehook.layers.MaxPooling2D(fuse_relu=True)
+# (argmax kept; a ReLU's backward done by the pool that is its only reader).
 # "tapehook-recompute-f16": tapehook-recompute with TAPEHOOK_PACK_INPUTS=float16
 # (approx_sign inputs kept as sign bits + binary16 e'(x); ste_sign as before).
 RECOMPUTE_IMPLS = ("tapehook-recompute", "tapehook-recompute-f16")
@@ -369,7 +370,11 @@ def build(K, model, impl, estimator, size, **kwargs):
             lambda **kw: tapehook.layers.BatchNormalization(recompute=recompute, **kw),
         )
         if recompute:  # the memory configuration: its max pools keep their argmax
-            kwargs.setdefault("max_pool", tapehook.layers.MaxPooling2D)
+            # and do the backward of a ReLU they are the only reader of
+            kwargs.setdefault(
+                "max_pool",
+                lambda *a, **kw: tapehook.layers.MaxPooling2D(*a, fuse_relu=True, **kw),
+            )
     net = ARCHITECTURES[model](K, binary_conv_factory(K, impl, model, estimator), size, **kwargs)
     if impl in TAPEHOOK_IMPLS:
         import tapehook

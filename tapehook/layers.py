@@ -415,7 +415,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
 _ARGMAX_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 
 
-def _max_pool_keeping_argmax(x, ksize, strides, padding):
+def _max_pool_keeping_argmax(x, ksize, strides, padding, fuse_relu=False):
     """NHWC max pool of ``x`` whose backward keeps the position of each
     window's maximum instead of the pool's input and output, which stock
     MaxPoolGrad reads: one byte per output element (its tap in the window,
@@ -423,7 +423,7 @@ def _max_pool_keeping_argmax(x, ksize, strides, padding):
     an int32 index within the image (int64 where one image has 2**31
     elements or more). The same output and gradient as tf.nn.max_pool2d's
     (the first maximum of a window in row-major order gets its gradient, as
-    in MaxPoolGrad)."""
+    in MaxPoolGrad). ``fuse_relu``: _max_pool_keeping_taps."""
     ksize = [1, *ksize, 1]
     strides = [1, *strides, 1]
     library = kernels.library()
@@ -434,7 +434,7 @@ def _max_pool_keeping_argmax(x, ksize, strides, padding):
         library is not None and x.dtype == tf.float32 and not tf.config.list_logical_devices("GPU")
     )
     if ours and ksize[1] * ksize[2] <= _MAX_POOL_TAPS:
-        return _max_pool_keeping_taps(library, x, ksize, strides, padding)
+        return _max_pool_keeping_taps(library, x, ksize, strides, padding, fuse_relu)
     per_image = x.shape[1:].num_elements()
     index_dtype = tf.int32 if per_image is not None and per_image < 2**31 else tf.int64
     ours = ours and index_dtype == tf.int32
@@ -487,17 +487,17 @@ def _max_pool_keeping_argmax(x, ksize, strides, padding):
 _MAX_POOL_TAPS = 127
 
 
-def _max_pool_keeping_taps(library, x, ksize, strides, padding):
+def _max_pool_keeping_taps(library, x, ksize, strides, padding, fuse_relu):
     """_max_pool_keeping_argmax on tapehook's kernels, keeping one byte per
-    output element (TapehookMaxPoolTaps). Where ``x`` is a graph's ReLU
-    output, the taps also mark windows whose maximum is not > 0, and, if
+    output element (TapehookMaxPoolTaps). With ``fuse_relu``, where ``x`` is
+    a graph's ReLU output, the taps also mark windows whose maximum is not > 0, and, if
     the pool is that output's only reader when the backward is built, the
     pool's gradient is that of the ReLU's input (ReluGrad applied), so the
     ReLU's own backward, which reads its float output, does not run. With
     other readers the pool's gradient goes to the ReLU's output, whose
     stock backward then adds all of them first, as without tapehook."""
     attrs = dict(ksize=ksize, strides=strides, padding=padding)
-    relu = not tf.executing_eagerly() and x.op.type == "Relu"
+    relu = fuse_relu and not tf.executing_eagerly() and x.op.type == "Relu"
     inputs = (x.op.inputs[0], x) if relu else (x,)
 
     @tf.custom_gradient
@@ -540,19 +540,22 @@ class MaxPooling2D(keras.layers.MaxPooling2D):
     """``keras.layers.MaxPooling2D`` whose training calls keep less for the
     backward.
 
-    Takes every argument of Keras 3's layer, plus ``save_argmax``. With
+    Takes every argument of Keras 3's layer, plus ``save_argmax`` and
+    ``fuse_relu``. With
     ``save_argmax=True`` (default), a training call (``training=True``:
     Keras ``fit``, or ``model(x, training=True)`` under a tape) on a
     channels-last input keeps, per *output* element, where its window's
     maximum was, instead of the pool's float input and output that stock
     MaxPoolGrad reads: one byte (the tap within the window; tapehook's
     kernels, float32 on the CPU, windows of up to 127 taps), else an int32
-    index within the image (TensorFlow's MaxPoolWithArgmax). In a graph
-    (``tf.function``, Keras ``fit``), a pool whose input is a ReLU's output
-    and its only reader also does that ReLU's backward, so the ReLU's float
-    output is not kept either (QuickNet's transitions); the gradient with
-    respect to that ReLU output itself is then None (what flows further
-    back is unchanged). Outputs and gradients equal the stock layer's bit
+    index within the image (TensorFlow's MaxPoolWithArgmax). With
+    ``fuse_relu=True`` (default False), in a graph (``tf.function``, Keras
+    ``fit``), a pool whose input is a ReLU's output and its only reader also
+    does that ReLU's backward, so the ReLU's float output is not kept either
+    (QuickNet's transitions). Its cost, which is why it is opt-in: a
+    gradient with respect to that ReLU output itself (``tape.watch`` of it,
+    ``tf.gradients`` to it) is then None; what flows further back, to the
+    ReLU's input and every weight, is unchanged. Outputs and gradients equal the stock layer's bit
     for bit (ties included: the first maximum of a window in row-major
     order gets the gradient, as in MaxPoolGrad) where TF runs its own
     MaxPoolGrad; with oneDNN on, a graph's MaxPoolGrad is rewritten to
@@ -564,13 +567,13 @@ class MaxPooling2D(keras.layers.MaxPooling2D):
     kept positions, as MaxPoolGradGrad does.
     """
 
-    def __init__(self, *args, save_argmax=True, **kwargs):
-        if save_argmax not in (True, False):
-            raise TapehookError(
-                f"MaxPooling2D(save_argmax={save_argmax!r}): save_argmax is True or False"
-            )
+    def __init__(self, *args, save_argmax=True, fuse_relu=False, **kwargs):
+        for name, value in (("save_argmax", save_argmax), ("fuse_relu", fuse_relu)):
+            if not isinstance(value, bool):
+                raise TapehookError(f"MaxPooling2D({name}={value!r}): {name} is True or False")
         super().__init__(*args, **kwargs)
         self.save_argmax = save_argmax
+        self.fuse_relu = fuse_relu
 
     def call(self, inputs, training=None):
         if not (self.save_argmax and training and self.data_format == "channels_last"):
@@ -581,7 +584,13 @@ class MaxPooling2D(keras.layers.MaxPooling2D):
             and control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph())
         ):
             return super().call(inputs)
-        return _max_pool_keeping_argmax(inputs, self.pool_size, self.strides, self.padding.upper())
+        return _max_pool_keeping_argmax(
+            inputs, self.pool_size, self.strides, self.padding.upper(), self.fuse_relu
+        )
 
     def get_config(self):
-        return {**super().get_config(), "save_argmax": self.save_argmax}
+        return {
+            **super().get_config(),
+            "save_argmax": self.save_argmax,
+            "fuse_relu": self.fuse_relu,
+        }

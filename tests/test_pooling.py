@@ -71,8 +71,8 @@ def test_matches_keras_bit_for_bit(pool, values, mode):
 @pytest.mark.parametrize("relu", [False, True])
 def test_second_derivatives_match_keras(mode, relu):
     """A gradient of a gradient through the pool (the incoming gradient
-    depends on the input), also through a ReLU before it (fused in a graph):
-    the stock layers', bit for bit."""
+    depends on the input), also through a ReLU before it (fuse_relu: fused
+    in a graph): the stock layers', bit for bit."""
     x = _inputs("rounded")
     pool = dict(pool_size=2, strides=1) if relu else dict(pool_size=3, strides=2, padding="same")
 
@@ -90,7 +90,7 @@ def test_second_derivatives_match_keras(mode, relu):
 
         return [t.numpy() for t in (tf.function(run) if mode == "function" else run)(x)]
 
-    got = second(MaxPooling2D(**pool))
+    got = second(MaxPooling2D(**pool, fuse_relu=relu))
     want = second(keras.layers.MaxPooling2D(**pool))
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
@@ -169,10 +169,16 @@ def _relu_pool_graph(relu, pool):
 
 def test_after_a_relu_the_backward_keeps_no_float():
     """ReLU then pool: stock keeps the ReLU's output (ReluGrad reads it) and
-    MaxPoolGrad's floats; ours runs no ReluGrad and keeps the taps only."""
+    MaxPoolGrad's floats; ours with fuse_relu runs no ReluGrad and keeps the
+    taps only (without it, the taps and the stock ReluGrad)."""
     if kernels.library() is None:
         pytest.skip("compiled kernels not loaded")
-    pool = MaxPooling2D(2, strides=1)
+    default = _relu_pool_graph(keras.layers.ReLU(), MaxPooling2D(2, strides=1))
+    types = [op.type for op in default.get_operations()]
+    assert "ReluGrad" in types and "MaxPoolGrad" not in types
+    (taps,) = [op for op in default.get_operations() if op.type == "TapehookMaxPoolTaps"]
+    assert taps.get_attr("relu") is False
+    pool = MaxPooling2D(2, strides=1, fuse_relu=True)
     graph = _relu_pool_graph(keras.layers.ReLU(), pool)
     types = [op.type for op in graph.get_operations()]
     assert "ReluGrad" not in types and "MaxPoolGrad" not in types
@@ -223,7 +229,7 @@ def test_after_a_relu_matches_keras_bit_for_bit(relu, pool, values, mode):
 
         return Chain()
 
-    got = _step(chain(MaxPooling2D(**POOLS[pool])), x, mode)
+    got = _step(chain(MaxPooling2D(**POOLS[pool], fuse_relu=True)), x, mode)
     want = _step(chain(keras.layers.MaxPooling2D(**POOLS[pool])), x, mode)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
@@ -261,7 +267,8 @@ def test_relu_read_elsewhere_is_stock_bit_for_bit(reader, mode):
 
         return [t.numpy() for t in f(x)]
 
-    got, want = run(MaxPooling2D), run(keras.layers.MaxPooling2D)
+    got = run(lambda *a, **k: MaxPooling2D(*a, fuse_relu=True, **k))
+    want = run(keras.layers.MaxPooling2D)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(np.signbit(a), np.signbit(b))
@@ -351,6 +358,39 @@ def test_inference_xla_and_switched_off_are_keras():
     np.testing.assert_array_equal(infer(x).numpy(), want[0])
 
 
+@pytest.mark.parametrize("mode", ["function", "gradients"])
+def test_gradient_at_the_relu_output(mode):
+    """A gradient requested at the ReLU's output itself (the pool its only
+    reader): stock's bit for bit by default; with fuse_relu, None, as the
+    layer documents (the ReLU's input still gets stock's)."""
+    x = _inputs("rounded")
+
+    def run(pool):
+        @tf.function
+        def f(x):
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                r = tf.nn.relu(x)
+                tape.watch(r)
+                y = pool(r, training=True)
+                loss = tf.reduce_sum(y * tf.sin(y + 0.3))
+            if mode == "gradients":
+                return tf.gradients(loss, [x, r])
+            return tape.gradient(loss, [x, r])
+
+        return [None if t is None else t.numpy() for t in f(x)]
+
+    want = run(keras.layers.MaxPooling2D(3, strides=2, padding="same"))
+    got = run(MaxPooling2D(3, strides=2, padding="same"))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(np.signbit(a), np.signbit(b))
+    fused = run(MaxPooling2D(3, strides=2, padding="same", fuse_relu=True))
+    np.testing.assert_array_equal(fused[0], want[0])
+    if kernels.library() is not None:
+        assert fused[1] is None
+
+
 def _small_model(pool, relu=False):
     """Conv, pool (after a ReLU layer: QuickNet's transitions), conv, dense."""
     keras.utils.set_random_seed(3)
@@ -389,7 +429,11 @@ def test_fit_matches_keras_and_saves(tmp_path, monkeypatch, relu):
             lambda *a, relu, **k: fused.append(relu) or grad(*a, relu=relu, **k),
         )
     weights = {}
-    for name, pool in (("keras", keras.layers.MaxPooling2D), ("ours", MaxPooling2D)):
+
+    def ours(*a, **k):
+        return MaxPooling2D(*a, fuse_relu=True, **k)
+
+    for name, pool in (("keras", keras.layers.MaxPooling2D), ("ours", ours)):
         net = _small_model(pool, relu)
         net.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
         net.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
@@ -410,7 +454,7 @@ def test_fit_matches_keras_and_saves(tmp_path, monkeypatch, relu):
     net.save(path)
     loaded = keras.models.load_model(path)
     pool = loaded.layers[3 if relu else 2]
-    assert type(pool) is MaxPooling2D and pool.save_argmax is True
+    assert type(pool) is MaxPooling2D and pool.save_argmax is True and pool.fuse_relu is True
     np.testing.assert_array_equal(loaded.predict(x, verbose=0), net.predict(x, verbose=0))
     off = MaxPooling2D.from_config(MaxPooling2D(2, save_argmax=False).get_config())
     assert off.save_argmax is False
@@ -441,6 +485,8 @@ def test_mirrored_strategy_matches_keras():
 def test_bad_value():
     with pytest.raises(tapehook.TapehookError, match="save_argmax is True or False"):
         MaxPooling2D(2, save_argmax="yes")
+    with pytest.raises(tapehook.TapehookError, match="fuse_relu is True or False"):
+        MaxPooling2D(2, fuse_relu=1)
 
 
 _TIER_SCRIPT = """
