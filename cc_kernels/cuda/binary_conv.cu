@@ -399,7 +399,7 @@ const char* Forward(const ConvShape& s, const T* x, const T* w,
   if (g.out_pix == 0) return nullptr;
   const PackedBuffers b = Carve(g, workspace);
   LaunchAlpha(g, w, scale, b.alpha, stream);
-  if (TensorCoresUsable()) {
+  if (TensorCoresUsable(g)) {
     return TcForward(g, x, w, binary_input, b.alpha, y,
                      static_cast<char*>(workspace) + AlphaBytes(g), stream);
   }
@@ -428,7 +428,7 @@ const char* BackpropInput(const ConvShape& s, const T* x, const T* w,
   if (g.in_pix == 0) return nullptr;
   float* alpha = static_cast<float*>(workspace);
   LaunchAlpha(g, w, scale, alpha, stream);
-  if (TensorCoresUsable()) {
+  if (TensorCoresUsable(g)) {
     return TcBackpropInput(g, x, w, dy, alpha, act_est, clip, dx,
                            static_cast<char*>(workspace) + AlphaBytes(g),
                            stream);
@@ -444,7 +444,7 @@ const char* BackpropFilter(const ConvShape& s, const T* x, const T* w,
                            float clip, Scale scale, T* dw, void* workspace,
                            cudaStream_t stream) {
   const Geom g = MakeGeom(s);
-  const bool tensor_cores = TensorCoresUsable();
+  const bool tensor_cores = TensorCoresUsable(g);
   const int splits = tensor_cores ? TcFilterSplits(g) : FilterSplits(g);
   float* alpha = static_cast<float*>(workspace);
   float* partial =

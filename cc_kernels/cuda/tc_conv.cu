@@ -1,5 +1,6 @@
 // Tensor-core implicit GEMMs of the CUDA binary Conv2D (sm_80+: bf16
-// mma.sync m16n8k16 with float32 accumulation, fragments read with ldmatrix,
+// mma.sync m16n8k16 with float32 accumulation, and int8 m16n8k32 with int32
+// accumulation for the fully binary forward; fragments read with ldmatrix,
 // transposed by ldmatrix.trans where a tile is stored the other way).
 // Operands are staged first (tc_tiles.h); each GEMM then streams 16-byte
 // segments of them into shared memory with cp.async (kStages deep), one
@@ -7,6 +8,8 @@
 // 32 x BN/2 as 2 x BN/16 m16n8 accumulators.
 //   forward:         A = staged x [out_pix, taps * cp] (im2col by segment)
 //                    B = staged sign(W) [taps * cp, op]
+//   binary forward:  A = staged sign(x) int8 [out_pix, taps * cq]
+//                    B = staged sign(W) int8, k-contiguous [taps, out_c, cq]
 //   backprop input:  A = staged dy * alpha [in_pix, taps * op] (gathered)
 //                    B = staged sign(W)^T [taps * op, cp]
 //   backprop filter: A = staged x^T [taps * cp, pixels] per pixel split
@@ -59,10 +62,9 @@ struct Layout {
   static constexpr int kCPitch = BN + 4;
 };
 
-// A warp's accumulators: 2 (m16) x BN/16 (n8) mma fragments of 4 floats:
-// c[0], c[1] at (row lane / 4, columns 2 (lane % 4) + {0, 1}), c[2], c[3]
-// 8 rows below.
-// Float for the bf16 GEMMs, int for the int8 one.
+// A warp's accumulators: 2 (m16) x BN/16 (n8) mma fragments of 4 values
+// (float for the bf16 GEMMs, int for the int8 one): c[0], c[1] at (row
+// lane / 4, columns 2 (lane % 4) + {0, 1}), c[2], c[3] 8 rows below.
 template <int BN, typename A = float>
 struct Accum {
   A c[2][BN / 16][4];
@@ -636,8 +638,17 @@ constexpr int kMaxSplits = 64;
 
 void SetTensorCoreKernels(int level) { g_level = level; }
 
-bool TensorCoresUsable() {
+bool TensorCoresUsable(const Geom& g) {
   if (g_level < 1) return false;
+  // The staged arrays (channels padded to 16 at most) take 32-bit offsets
+  // too; the CUDA-core kernels read the tensors as they are.
+  const TcGeom t = MakeTcGeom(g);
+  const long long limit = INT_MAX;
+  if (1LL * g.in_pix * t.cq >= limit || 1LL * g.out_pix * t.op >= limit ||
+      1LL * g.taps * t.cp * t.op >= limit ||
+      1LL * g.taps * g.out_c * t.cq >= limit) {
+    return false;
+  }
   int device = 0, major = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,

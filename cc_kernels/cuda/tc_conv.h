@@ -17,8 +17,9 @@ namespace tapehook {
 namespace cuda {
 
 // True where the current device has bf16 tensor cores (compute capability
-// 8.0 or newer) and SetTensorCoreKernels has not switched them off.
-bool TensorCoresUsable();
+// 8.0 or newer), SetTensorCoreKernels has not switched them off, and g's
+// staged operands fit 32-bit offsets.
+bool TensorCoresUsable(const Geom& g);
 
 // Workspace the staged operands take (BackpropFilter's partials not
 // included: the caller places them).
