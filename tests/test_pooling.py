@@ -237,6 +237,25 @@ def test_after_a_relu_matches_keras_bit_for_bit(relu, pool, values, mode):
     assert np.any(got[1] != 0) and np.any(np.signbit(got[1]) & (got[1] == 0))
 
 
+def _relu_grads(x, mode, loss_of):
+    """In a tf.function, the gradients of loss_of(r), r = relu(x), with
+    respect to x and to r (both watched), by the tape or by tf.gradients
+    (mode); None where there is none."""
+
+    @tf.function
+    def f(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            r = tf.nn.relu(x)
+            tape.watch(r)
+            loss = loss_of(r)
+        if mode == "gradients":
+            return tf.gradients(loss, [x, r])
+        return tape.gradient(loss, [x, r])
+
+    return [None if t is None else t.numpy() for t in f(x)]
+
+
 @pytest.mark.parametrize("mode", ["function", "gradients"])
 @pytest.mark.parametrize("reader", ["ops", "pool"])
 def test_relu_read_elsewhere_is_stock_bit_for_bit(reader, mode):
@@ -248,24 +267,16 @@ def test_relu_read_elsewhere_is_stock_bit_for_bit(reader, mode):
     x = _inputs("rounded")
 
     def run(make):
-        @tf.function
-        def f(x):
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                r = tf.nn.relu(x)
-                tape.watch(r)
-                y = make(3, strides=2, padding="same")(r, training=True)
-                if reader == "ops":
-                    other = r * tf.cos(r)
-                else:
-                    z = make(2, strides=1)(r, training=True)
-                    other = z * z
-                loss = tf.reduce_sum(y * tf.sin(y + 0.3)) - tf.reduce_sum(other)
-            if mode == "gradients":
-                return tf.gradients(loss, [x, r])
-            return tape.gradient(loss, [x, r])
+        def loss_of(r):
+            y = make(3, strides=2, padding="same")(r, training=True)
+            if reader == "ops":
+                other = r * tf.cos(r)
+            else:
+                z = make(2, strides=1)(r, training=True)
+                other = z * z
+            return tf.reduce_sum(y * tf.sin(y + 0.3)) - tf.reduce_sum(other)
 
-        return [t.numpy() for t in f(x)]
+        return _relu_grads(x, mode, loss_of)
 
     got = run(lambda *a, **k: MaxPooling2D(*a, fuse_relu=True, **k))
     want = run(keras.layers.MaxPooling2D)
@@ -366,19 +377,11 @@ def test_gradient_at_the_relu_output(mode):
     x = _inputs("rounded")
 
     def run(pool):
-        @tf.function
-        def f(x):
-            with tf.GradientTape() as tape:
-                tape.watch(x)
-                r = tf.nn.relu(x)
-                tape.watch(r)
-                y = pool(r, training=True)
-                loss = tf.reduce_sum(y * tf.sin(y + 0.3))
-            if mode == "gradients":
-                return tf.gradients(loss, [x, r])
-            return tape.gradient(loss, [x, r])
+        def loss_of(r):
+            y = pool(r, training=True)
+            return tf.reduce_sum(y * tf.sin(y + 0.3))
 
-        return [None if t is None else t.numpy() for t in f(x)]
+        return _relu_grads(x, mode, loss_of)
 
     want = run(keras.layers.MaxPooling2D(3, strides=2, padding="same"))
     got = run(MaxPooling2D(3, strides=2, padding="same"))

@@ -141,27 +141,40 @@ std::vector<float> ForwardFloat(const Geom& g, const T* x, const T* w,
   return y;
 }
 
-template <typename T>
-std::vector<float> BackpropInputHost(const Geom& g, const T* x, const T* w,
-                                     const T* dy, const Spec& sp) {
-  const std::vector<float> alpha = Alpha(g, w, sp.scale);
+// dx of a BackpropInput kernel replayed over its padded tile ranges (rows
+// of input pixels, columns of channels): sum(q, c) is the GEMM's sum for
+// input pixel q and channel c, stored inside the tensor through the
+// kernels' epilogue.
+template <typename T, class Sum>
+std::vector<float> DxOverTiles(const Geom& g, const T* x, const Spec& sp,
+                               int rows, int cols, const Sum& sum) {
   std::vector<float> dx(size_t(g.in_pix) * g.in_c);
-  const int depth = RoundUp(g.taps * g.out_c, kDepth);
-  for (int q = 0; q < RoundUp(g.in_pix, kTile); ++q) {
-    const InPixel row = InPixelAt(g, q);
-    for (int c = 0; c < RoundUp(g.in_c, kTile); ++c) {
-      float acc = 0.0f;
-      for (int k = 0; k < depth; ++k) {
-        const DyColumn col = DyColumnAt(g, k);
-        acc += DyGatherValue(g, dy, row, col) *
-               ScaledSignWeightT(g, w, alpha.data(), col, c);
-      }
-      if (q >= g.in_pix || c >= g.in_c) continue;
-      const int idx = q * g.in_c + c;
+  for (int qi = 0; qi < RoundUp(g.in_pix, rows); ++qi) {
+    const InPixel q = InPixelAt(g, qi);
+    for (int c = 0; c < RoundUp(g.in_c, cols); ++c) {
+      const float acc = sum(q, c);
+      if (qi >= g.in_pix || c >= g.in_c) continue;
+      const int idx = qi * g.in_c + c;
       dx[idx] = BackpropInputEpilogue(x, idx, sp.act, sp.clip, acc);
     }
   }
   return dx;
+}
+
+template <typename T>
+std::vector<float> BackpropInputHost(const Geom& g, const T* x, const T* w,
+                                     const T* dy, const Spec& sp) {
+  const std::vector<float> alpha = Alpha(g, w, sp.scale);
+  const int depth = RoundUp(g.taps * g.out_c, kDepth);
+  return DxOverTiles(g, x, sp, kTile, kTile, [&](InPixel row, int c) {
+    float acc = 0.0f;
+    for (int k = 0; k < depth; ++k) {
+      const DyColumn col = DyColumnAt(g, k);
+      acc += DyGatherValue(g, dy, row, col) *
+             ScaledSignWeightT(g, w, alpha.data(), col, c);
+    }
+    return acc;
+  });
 }
 
 template <typename T>
@@ -323,27 +336,19 @@ std::vector<float> TcBackpropInputHost(const Geom& g, const T* x, const T* w,
   const std::vector<float> alpha = Alpha(g, w, sp.scale);
   const Staged dys = StageFloatHost(dy, g.out_pix, g.out_c, t.op, alpha.data());
   const Staged ws = StageFilterHost(t, w);
-  std::vector<float> dx(size_t(g.in_pix) * g.in_c);
-  for (int qi = 0; qi < RoundUp(g.in_pix, kTcRows); ++qi) {
-    const InPixel q = InPixelAt(g, qi);
-    for (int c = 0; c < RoundUp(g.in_c, 64); ++c) {
-      float acc = 0.0f;
-      TapWalk walk;
-      for (int step = 0; step < g.taps * RoundUp(t.op, kTcDepth) / kTcDepth;
-           ++step, walk.Next(g, kTcDepth, t.op)) {
-        const int tap = walk.tap;
-        for (int o = walk.k0; o < walk.k0 + kTcDepth; ++o) {
-          const int a = TcBackpropInputA(t, q, walk.dh, walk.dw, o / 8 * 8);
-          const float b = ws.Hi(TcFilter(t, tap, c, o / 8 * 8), o % 8);
-          acc += dys.Hi(a, o % 8) * b + dys.Lo(a, o % 8) * b;
-        }
+  return DxOverTiles(g, x, sp, kTcRows, 64, [&](InPixel q, int c) {
+    float acc = 0.0f;
+    TapWalk walk;
+    for (int step = 0; step < g.taps * RoundUp(t.op, kTcDepth) / kTcDepth;
+         ++step, walk.Next(g, kTcDepth, t.op)) {
+      for (int o = walk.k0; o < walk.k0 + kTcDepth; ++o) {
+        const int a = TcBackpropInputA(t, q, walk.dh, walk.dw, o / 8 * 8);
+        const float b = ws.Hi(TcFilter(t, walk.tap, c, o / 8 * 8), o % 8);
+        acc += dys.Hi(a, o % 8) * b + dys.Lo(a, o % 8) * b;
       }
-      if (qi >= g.in_pix || c >= g.in_c) continue;
-      const int idx = qi * g.in_c + c;
-      dx[idx] = BackpropInputEpilogue(x, idx, sp.act, sp.clip, acc);
     }
-  }
-  return dx;
+    return acc;
+  });
 }
 
 template <typename T>
