@@ -9,7 +9,8 @@ environment has it) larq 0.14 itself.
     python bench/models.py --models birealnet18 --sizes 112 --batches 32 --rounds 2
 
 Implementations of one architecture (the binary 3x3 convs, and for the
-"-fused" ones the batch-norm class and the optimizer, are all that differ;
+"-fused" ones the batch-norm and max-pool classes and the optimizer, are all
+that differ;
 tests/test_bench_models.py checks the parameter counts agree):
 
 - ``float``: plain Keras 3 Conv2D;
@@ -19,11 +20,13 @@ tests/test_bench_models.py checks the parameter counts agree):
 - ``tapehook``: the float model's convs, kernels clipped, ``tapehook.binarize``d;
 - ``float-fused`` / ``tapehook-fused``: ``float`` / ``tapehook`` with every batch
   norm ``tapehook.layers.BatchNormalization`` and ``tapehook.optimizers.Adam``
-  (TF's fused kernels, as tf-keras trains with) instead of Keras 3's;
+  (TF's fused kernels, as tf-keras trains with) instead of Keras 3's, and
+  every max pool ``tapehook.layers.MaxPooling2D`` (its backward reads the
+  window taps it kept, not the pool's float input and output);
 - ``tapehook-recompute``: ``tapehook-fused`` with ``BatchNormalization(
-  recompute=True)`` and ``tapehook.layers.MaxPooling2D``: the step keeps no
+  recompute=True)`` and ``MaxPooling2D(fuse_relu=True)``: the step keeps no
   conv's float output for its batch norm (it rebuilds them in the backward)
-  and its max pools keep their argmax instead of their float input and output;
+  and a pool that is a ReLU's only reader does that ReLU's backward;
   ``tapehook-recompute-f16``: the same with ``TAPEHOOK_PACK_INPUTS=float16``;
 - ``larq``: ``lq.layers.QuantConv2D`` on tf-keras (TF_USE_LEGACY_KERAS=1), run
   with the python of a side environment (``--larq-python``; skipped when absent).
@@ -78,12 +81,13 @@ IMPLS = (
     "tapehook-recompute-f16",
     "larq",
 )
-# "-fused": the model's batch norms tapehook.layers.BatchNormalization and its
+# "-fused": the model's batch norms tapehook.layers.BatchNormalization, its max
+# pools tapehook.layers.MaxPooling2D (window taps kept for the backward) and its
 # optimizer tapehook.optimizers.Adam (TF's fused ops, as tf-keras and so larq
 # 0.14 train with) instead of Keras 3's. "tapehook-recompute": tapehook-fused
 # with BatchNormalization(recompute=True) (the convs' outputs rebuilt in the
-# backward instead of kept) and tapehook.layers.MaxPooling2D(fuse_relu=True)
-# (argmax kept; a ReLU's backward done by the pool that is its only reader).
+# backward instead of kept) and MaxPooling2D(fuse_relu=True) (a ReLU's
+# backward done by the pool that is its only reader).
 # "tapehook-recompute-f16": tapehook-recompute with TAPEHOOK_PACK_INPUTS=float16
 # (approx_sign inputs kept as sign bits + binary16 e'(x); ste_sign as before).
 RECOMPUTE_IMPLS = ("tapehook-recompute", "tapehook-recompute-f16")
@@ -369,12 +373,13 @@ def build(K, model, impl, estimator, size, **kwargs):
             "batch_norm",
             lambda **kw: tapehook.layers.BatchNormalization(recompute=recompute, **kw),
         )
-        if recompute:  # the memory configuration: its max pools keep their argmax
-            # and do the backward of a ReLU they are the only reader of
-            kwargs.setdefault(
-                "max_pool",
-                lambda *a, **kw: tapehook.layers.MaxPooling2D(*a, fuse_relu=True, **kw),
-            )
+        # tapehook's max pool (its backward reads one-byte taps: 2-3x faster
+        # than stock MaxPoolGrad on Eigen); the memory configuration's also
+        # does the backward of a ReLU it is the only reader of
+        kwargs.setdefault(
+            "max_pool",
+            lambda *a, **kw: tapehook.layers.MaxPooling2D(*a, fuse_relu=recompute, **kw),
+        )
     net = ARCHITECTURES[model](K, binary_conv_factory(K, impl, model, estimator), size, **kwargs)
     if impl in TAPEHOOK_IMPLS:
         import tapehook

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -93,6 +94,126 @@ void ScaleFilterGradientRows(const T* w, const std::vector<double>& alpha,
   }
 }
 
+// Where input position i (a row or a column) receives from through kernel
+// tap t of that axis: src[i * k + t] is the output position that reads i
+// through t, or -1 (padding, or between strides).
+std::vector<int64_t> TapSources(int64_t in, int64_t k, int64_t dil,
+                                int64_t stride, int64_t pad, int64_t out) {
+  std::vector<int64_t> src(in * k, -1);
+  for (int64_t i = 0; i < in; ++i) {
+    for (int64_t t = 0; t < k; ++t) {
+      const int64_t num = i + pad - t * dil;
+      if (num >= 0 && num % stride == 0 && num / stride < out) {
+        src[i * k + t] = num / stride;
+      }
+    }
+  }
+  return src;
+}
+
+// The positions 0..in-1 of an axis grouped by the set of taps they receive
+// from (for a 3x3 SAME conv: the first, the interior, the last), each group
+// in ascending order.
+std::vector<std::vector<int64_t>> TapClasses(const std::vector<int64_t>& src,
+                                             int64_t in, int64_t k) {
+  std::vector<std::vector<int64_t>> groups;
+  std::vector<std::vector<bool>> keys;
+  for (int64_t i = 0; i < in; ++i) {
+    std::vector<bool> key(k);
+    for (int64_t t = 0; t < k; ++t) key[t] = src[i * k + t] >= 0;
+    const auto it = std::find(keys.begin(), keys.end(), key);
+    if (it == keys.end()) {
+      keys.push_back(key);
+      groups.push_back({i});
+    } else {
+      groups[it - keys.begin()].push_back(i);
+    }
+  }
+  return groups;
+}
+
+// dX as the transposed conv, by taps: one GEMM per block of input pixels,
+// row i being input pixel q_i, depth (tap, output channel) over the taps
+// that any of the block's pixels receives from (row i of a tap's A is the
+// dY pixel that reads q_i through it, or zeros), B = alpha * sign(W) by
+// tap ([taps * N, C]). Pixels are ordered by the set of taps they receive
+// from (rows' class, then columns'), so a block seldom computes a padding
+// tap's products (a 4x4 image has 31 % of them), and each pixel's sums are
+// stored once: no [pixels, 9 C] block scattered back, and blocks own
+// disjoint pixels, so they run in any order without races. Every pixel is
+// written, with zeros where no tap reaches it.
+template <typename T>
+void BackpropInputByTaps(const ConvShape& s, const T* dy,
+                         const PackedB<T>& w_taps, T* dx,
+                         const ParallelFor& parallel_for) {
+  const int64_t N = s.out_c, C = s.in_c, taps = s.k_h * s.k_w;
+  const std::vector<int64_t> h_src =
+      TapSources(s.in_h, s.k_h, s.dil_h, s.stride_h, s.pad_top, s.out_h);
+  const std::vector<int64_t> w_src =
+      TapSources(s.in_w, s.k_w, s.dil_w, s.stride_w, s.pad_left, s.out_w);
+  struct Pixel {
+    int64_t n, ih, iw;
+  };
+  std::vector<Pixel> order;  // input pixels, by class
+  order.reserve(s.batch * s.in_h * s.in_w);
+  const auto w_classes = TapClasses(w_src, s.in_w, s.k_w);
+  for (const auto& rows : TapClasses(h_src, s.in_h, s.k_h)) {
+    for (const auto& cols : w_classes) {
+      for (int64_t n = 0; n < s.batch; ++n) {
+        for (int64_t ih : rows) {
+          for (int64_t iw : cols) order.push_back({n, ih, iw});
+        }
+      }
+    }
+  }
+  constexpr int64_t kRows = kPixelBlock;
+  const int64_t total = static_cast<int64_t>(order.size());
+  const int64_t blocks = (total + kRows - 1) / kRows;
+  // Blocks of one class cost alike, of different classes not (a stride-2
+  // conv's pixels receive from 1, 2 or 4 taps): work unit u runs block
+  // u * step mod blocks, step coprime to blocks and near 0.618 blocks, so
+  // any run of units mixes the classes and the shards balance.
+  int64_t step = std::max<int64_t>(1, blocks * 618 / 1000);
+  while (std::gcd(step, blocks) != 1) ++step;
+  parallel_for(blocks, kRows * taps * N * C, [&](int64_t u0, int64_t u1) {
+    std::vector<T> sums(kRows * C);
+    std::vector<const T*> rows(taps * kRows);
+    std::vector<PackedRows<T>> segments;
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b = u * step % blocks;
+      const int64_t p0 = b * kRows, m = std::min(kRows, total - p0);
+      segments.clear();
+      for (int64_t t = 0; t < taps; ++t) {
+        const int64_t kh = t / s.k_w, kw = t % s.k_w;
+        const T** seg = rows.data() + segments.size() * m;
+        bool any = false;
+        for (int64_t i = 0; i < m; ++i) {
+          const Pixel& q = order[p0 + i];
+          const int64_t oh = h_src[q.ih * s.k_h + kh];
+          const int64_t ow = w_src[q.iw * s.k_w + kw];
+          seg[i] = oh >= 0 && ow >= 0
+                       ? dy + ((q.n * s.out_h + oh) * s.out_w + ow) * N
+                       : nullptr;
+          any = any || seg[i] != nullptr;
+        }
+        if (any) segments.push_back(PackedRows<T>{&w_taps, t * N, N});
+      }
+      if (segments.empty()) {
+        std::fill(sums.begin(), sums.begin() + m * C, T(0));
+      } else {
+        GemmSegments(m, static_cast<int64_t>(segments.size()), segments.data(),
+                     GatheredA<T>{rows.data(), m}, sums.data(), C,
+                     /*accumulate=*/false);
+      }
+      for (int64_t i = 0; i < m; ++i) {
+        const Pixel& q = order[p0 + i];
+        std::copy_n(sums.data() + i * C, C,
+                    dx + ((q.n * s.in_h + q.ih) * s.in_w + q.iw) * C);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 template <typename T>
@@ -149,9 +270,8 @@ void BinaryConv2DForward(const ConvShape& s, const T* x, const T* w,
       if (amx::Forward(s, x, w, AlphaOrNull(alpha), y, parallel_for)) return;
     }
   }
-  const PackedB<T> w_hat =
-      PackedSignedWeights(s, w, scale,
-                          /*transpose=*/false, impl, parallel_for);
+  const PackedB<T> w_hat = PackedSignedWeights(
+      s, w, scale, WeightLayout::kFilter, impl, parallel_for);
   const int64_t blocks = (pixels + kPixelBlock - 1) / kPixelBlock;
   parallel_for(blocks, kPixelBlock * K * N, [&](int64_t b0, int64_t b1) {
     std::vector<T> col(kPixelBlock * K);
@@ -171,11 +291,8 @@ void BinaryConv2DBackpropInput(const ConvShape& s, const T* x, const T* w,
                                const T* dy, Estimator act_est, double clip,
                                Scale scale, T* dx,
                                const ParallelFor& parallel_for, Impl impl) {
-  const int64_t K = FilterSize(s);
-  const int64_t N = s.out_c;
-  const int64_t C = s.in_c;
   const int64_t in_rows = s.batch * s.in_h;
-  const int64_t row_len = s.in_w * C;
+  const int64_t row_len = s.in_w * s.in_c;
   if (in_rows * row_len == 0) return;
   impl = PlanOf<T>(ConvOp::kBackpropInput, s, act_est != Estimator::kNone,
                    false, impl);
@@ -198,64 +315,14 @@ void BinaryConv2DBackpropInput(const ConvShape& s, const T* x, const T* w,
     }
   }
 
-  // The scatter below only adds, and may never touch some pixels.
   if (!summed) {
-    parallel_for(in_rows, row_len, [&](int64_t r0, int64_t r1) {
-      std::fill(dx + r0 * row_len, dx + r1 * row_len, T(0));
-    });
-  }
-
-  if (!summed && OutPixels(s) > 0) {
-    const PackedB<T> w_hat_t = PackedSignedWeights(
-        s, w, scale, /*transpose=*/true, impl, parallel_for);
-    // A band of `band` output rows scatters into input rows spanning
-    // (band - 1) * stride + ek. With band * stride >= ek - stride, bands b
-    // and b + 2 never touch the same input row, so all even bands (and then
-    // all odd bands) of all images can run concurrently without races.
-    const int64_t ek = (s.k_h - 1) * s.dil_h + 1;
-    // (ek - 1) / stride == ceil((ek - stride) / stride). Bands are also at
-    // least kPixelBlock pixels (or the whole image): the GEMM streams all of
-    // W_hat once per call, so it needs enough rows to reuse it.
-    const int64_t band =
-        std::min(s.out_h, std::max({int64_t{1}, (ek - 1) / s.stride_h,
-                                    (kPixelBlock + s.out_w - 1) / s.out_w}));
-    const int64_t bands = (s.out_h + band - 1) / band;
-    const int64_t hw = s.out_h * s.out_w;
-    // Where a band is the whole image (small images, deep layers), a unit
-    // takes enough whole images for a block of kPixelBlock pixels: images
-    // never share input rows, and one image of 4x4 pixels would stream all
-    // of W_hat (9 C N values) for 16 rows of dY.
-    const int64_t images =
-        bands > 1
-            ? 1
-            : std::max<int64_t>(1, kPixelBlock / std::max<int64_t>(hw, 1));
-    for (int64_t parity = 0; parity < 2; ++parity) {
-      const int64_t per_image = (bands - parity + 1) / 2;
-      if (per_image == 0) continue;
-      const int64_t units = (s.batch + images - 1) / images * per_image;
-      const int64_t cost = images * band * s.out_w * K * N;
-      parallel_for(units, cost, [&](int64_t u0, int64_t u1) {
-        std::vector<T> dcol(2 * kPixelBlock * K);
-        for (int64_t u = u0; u < u1; ++u) {
-          const int64_t n = u / per_image * images;
-          const int64_t n1 = std::min(s.batch, n + images);
-          const int64_t oh0 = (parity + 2 * (u % per_image)) * band;
-          const int64_t oh1 = std::min(s.out_h, oh0 + band);
-          const int64_t begin = n * hw + oh0 * s.out_w;
-          const int64_t end = (n1 - 1) * hw + oh1 * s.out_w;
-          // Equal blocks of kPixelBlock to 2 * kPixelBlock - 1 pixels (or
-          // the whole band): no small leftover block.
-          const int64_t blocks =
-              std::max<int64_t>(1, (end - begin) / kPixelBlock);
-          for (int64_t b = 0; b < blocks; ++b) {
-            const int64_t pix0 = begin + (end - begin) * b / blocks;
-            const int64_t np = begin + (end - begin) * (b + 1) / blocks - pix0;
-            Gemm(np, dy + pix0 * N, N, 1, AllRows(w_hat_t), dcol.data(), K,
-                 /*accumulate=*/false);
-            Col2ImAdd(s, dcol.data(), pix0, np, dx);
-          }
-        }
-      });
+    if (OutPixels(s) > 0) {
+      BackpropInputByTaps(s, dy,
+                          PackedSignedWeights(s, w, scale, WeightLayout::kByTap,
+                                              impl, parallel_for),
+                          dx, parallel_for);
+    } else {
+      std::fill(dx, dx + in_rows * row_len, T(0));
     }
   }
 

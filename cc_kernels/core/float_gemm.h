@@ -1,5 +1,6 @@
-// The float-operand kernels without AMX (binary_conv.cc): im2col / col2im
-// around one small register-blocked GEMM. Plain portable C++17, the inner
+// The float-operand kernels without AMX (binary_conv.cc): one small
+// register-blocked GEMM, fed by im2col blocks (forward, dW) or by dY rows
+// gathered per tap (dX by taps). Plain portable C++17, the inner
 // loops written so that -O3 vectorizes them without any -march flags; the
 // AVX2 tiles (simd_avx2.h) where the plan says kAvx2.
 #ifndef TAPEHOOK_CORE_FLOAT_GEMM_H_
@@ -38,12 +39,12 @@ struct GemmTile {
   static constexpr int kNR = 32 / sizeof(T);
 };
 
-// c[i, j] (+)= sum_k a[k][i] * b[k, j] for one tile, a being a packed
-// [depth][MR] panel. With kFullN the tile is NR wide, its loops unroll
-// fully and acc lives in registers. Rows >= mr of the panel are zeros and are
-// computed but not stored.
-template <typename T, int MR, int NR, bool kFullN>
-inline void GemmTileKernel(int64_t depth, const T* a, const T* b, int64_t ldb,
+// c[i, j] (+)= sum_k A(i, k) * b[k, j] for one tile, A a PanelA or RowsA
+// (simd_avx2.h). With kFullN the tile is NR wide, its loops unroll fully and
+// acc lives in registers. Rows >= mr of A are zeros and are computed but not
+// stored.
+template <typename T, int MR, int NR, bool kFullN, typename A>
+inline void GemmTileKernel(int64_t depth, const A& a, const T* b, int64_t ldb,
                            T* c, int64_t ldc, bool accumulate, int mr, int nr) {
   const int n = kFullN ? NR : nr;
   T acc[MR][NR] = {};
@@ -53,10 +54,10 @@ inline void GemmTileKernel(int64_t depth, const T* a, const T* b, int64_t ldb,
     }
   }
   for (int64_t k = 0; k < depth; ++k) {
-    const T* ak = a + k * MR;
     const T* bk = b + k * ldb;
     for (int i = 0; i < MR; ++i) {
-      for (int j = 0; j < n; ++j) acc[i][j] += ak[i] * bk[j];
+      const T ai = *a.At(i, k);
+      for (int j = 0; j < n; ++j) acc[i][j] += ai * bk[j];
     }
   }
   for (int i = 0; i < mr; ++i) {
@@ -102,11 +103,11 @@ PackedRows<T> AllRows(const PackedB<T>& b) {
   return {&b, 0, b.depth};
 }
 
-// Packs B into out (depth, n and the ISA's tile width), by parallel_for
-// over panels.
-template <typename T>
-void PackB(int64_t depth, int64_t n, const T* b, int64_t b_rs, int64_t b_cs,
-           Impl impl, const ParallelFor& parallel_for, PackedB<T>* out) {
+// Packs B[depth, n], element (k, j) being at(k, j), into out (depth, n and
+// the ISA's tile width), by parallel_for over panels.
+template <typename T, typename At>
+void PackBWith(int64_t depth, int64_t n, const At& at, Impl impl,
+               const ParallelFor& parallel_for, PackedB<T>* out) {
   const int64_t nr = GemmNR<T>(impl);
   out->depth = depth;
   out->n = n;
@@ -117,55 +118,108 @@ void PackB(int64_t depth, int64_t n, const T* b, int64_t b_rs, int64_t b_cs,
       const int64_t cols = std::min(nr, n - j0);
       T* dst = out->data.data() + j0 * depth;
       for (int64_t k = 0; k < depth; ++k) {
-        const T* src = b + k * b_rs + j0 * b_cs;
         for (int64_t j = 0; j < nr; ++j) {
-          dst[k * nr + j] = j < cols ? src[j * b_cs] : T(0);
+          dst[k * nr + j] = j < cols ? at(k, j0 + j) : T(0);
         }
       }
     }
   });
 }
 
-// C[m, n] (+)= A[m, depth] * B[depth, n] with an MR x NR register tile;
-// full tiles go to full_tile (portable or AVX2), the ragged right edge to
-// the portable kernel. C is row-major; A is read through strides so col*W,
-// dY*W^T and col^T*dY all use this one routine, and packed into [depth][MR]
-// panels so the tile kernel vectorizes across columns, not depth. Columns
-// are blocked so the B panels that all row panels reuse stay in L2, and
-// column blocks are the outer loop so a block's C tiles stay in cache over
-// the depth passes (each C element still sums its depth blocks in order).
-template <typename T, int MR, int NR, typename FullTile>
-void GemmBlocked(int64_t m, const T* a, int64_t a_rs, int64_t a_cs,
-                 const PackedRows<T>& b, T* c, int64_t ldc, bool accumulate,
+// PackBWith of B read through strides.
+template <typename T>
+void PackB(int64_t depth, int64_t n, const T* b, int64_t b_rs, int64_t b_cs,
+           Impl impl, const ParallelFor& parallel_for, PackedB<T>* out) {
+  PackBWith(
+      depth, n, [&](int64_t k, int64_t j) { return b[k * b_rs + j * b_cs]; },
+      impl, parallel_for, out);
+}
+
+// A read through strides, so col*W, dY*W^T and col^T*dY all use one
+// GEMM: Pack writes rows [i0, i0 + mr) and depth [k0, k0 + kc) of A as a
+// [kc][MR] panel, rows >= mr as zeros.
+template <typename T>
+struct StridedA {
+  static constexpr bool kInPlace = false;
+  const T* a;
+  int64_t a_rs, a_cs;
+  void Pack(int64_t /*segment*/, int64_t i0, int mr, int MR, int64_t k0,
+            int64_t kc, T* panel) const {
+    const T* at = a + i0 * a_rs + k0 * a_cs;
+    if (a_rs == 1 && mr == MR) {  // col^T of BackpropFilter: runs of MR
+      for (int64_t k = 0; k < kc; ++k) {
+        std::copy_n(at + k * a_cs, MR, panel + k * MR);
+      }
+      return;
+    }
+    for (int64_t k = 0; k < kc; ++k) {
+      for (int i = 0; i < MR; ++i) {
+        panel[k * MR + i] = i < mr ? at[i * a_rs + k * a_cs] : T(0);
+      }
+    }
+  }
+};
+
+// An A whose row i in depth segment s is the contiguous run rows[s * m + i]
+// (nullptr: zeros), read in place (RowsA): the gathered dY rows of
+// BackpropInput by taps, which would cost as much to pack as to multiply
+// where C is narrow.
+template <typename T>
+struct GatheredA {
+  static constexpr bool kInPlace = true;
+  const T* const* rows;
+  int64_t m;
+  template <int MR>
+  RowsA<T, MR> Rows(int64_t segment, int64_t i0, int mr, int64_t k0) const {
+    static const T kZeros[kDepthBlock] = {};
+    RowsA<T, MR> out;
+    for (int i = 0; i < MR; ++i) {
+      const T* row = i < mr ? rows[segment * m + i0 + i] : nullptr;
+      out.rows[i] = row == nullptr ? kZeros : row + k0;
+    }
+    return out;
+  }
+};
+
+// C[m, n] (+)= sum over segments s of A_s[m, depth_s] * B_s[depth_s, n],
+// B_s = b[s] (all n columns wide), with an MR x NR register tile; full
+// tiles go to full_tile (portable or AVX2), the ragged right edge to the
+// portable kernel. C is row-major; a_src packs A's panels ([depth][MR], so
+// the tile kernel vectorizes across columns, not depth). Columns are
+// blocked so the B panels that all row panels reuse stay in L2, and column
+// blocks are the outer loop so a block's C tiles stay in cache over the
+// segments and depth passes (each C element still sums them in order).
+template <typename T, int MR, int NR, typename ASource, typename FullTile>
+void GemmBlocked(int64_t m, int64_t segments, const PackedRows<T>* b,
+                 const ASource& a_src, T* c, int64_t ldc, bool accumulate,
                  FullTile full_tile) {
   T a_panel[kDepthBlock * MR];
-  for (int64_t jb = 0; jb < b.n(); jb += kColumnBlock) {
-    const int64_t jb_end = std::min(b.n(), jb + kColumnBlock);
-    for (int64_t k0 = 0; k0 < b.depth; k0 += kDepthBlock) {
-      const int64_t kc = std::min(kDepthBlock, b.depth - k0);
-      const bool acc = accumulate || k0 > 0;
-      for (int64_t i0 = 0; i0 < m; i0 += MR) {
-        const int mr = static_cast<int>(std::min<int64_t>(MR, m - i0));
-        const T* at = a + i0 * a_rs + k0 * a_cs;
-        if (a_rs == 1 && mr == MR) {  // col^T of BackpropFilter: runs of MR
-          for (int64_t k = 0; k < kc; ++k) {
-            std::copy_n(at + k * a_cs, MR, a_panel + k * MR);
-          }
-        } else {
-          for (int64_t k = 0; k < kc; ++k) {
-            for (int i = 0; i < MR; ++i) {
-              a_panel[k * MR + i] = i < mr ? at[i * a_rs + k * a_cs] : T(0);
+  const int64_t n = b[0].n();
+  for (int64_t jb = 0; jb < n; jb += kColumnBlock) {
+    const int64_t jb_end = std::min(n, jb + kColumnBlock);
+    for (int64_t seg = 0; seg < segments; ++seg) {
+      for (int64_t k0 = 0; k0 < b[seg].depth; k0 += kDepthBlock) {
+        const int64_t kc = std::min(kDepthBlock, b[seg].depth - k0);
+        const bool acc = accumulate || seg > 0 || k0 > 0;
+        for (int64_t i0 = 0; i0 < m; i0 += MR) {
+          const int mr = static_cast<int>(std::min<int64_t>(MR, m - i0));
+          const auto a = [&] {
+            if constexpr (ASource::kInPlace) {
+              return a_src.template Rows<MR>(seg, i0, mr, k0);
+            } else {
+              a_src.Pack(seg, i0, mr, MR, k0, kc, a_panel);
+              return PanelA<T, MR>{a_panel};
             }
-          }
-        }
-        for (int64_t j0 = jb; j0 < jb_end; j0 += NR) {
-          const int nr = static_cast<int>(std::min<int64_t>(NR, jb_end - j0));
-          T* ct = c + i0 * ldc + j0;
-          if (nr == NR) {
-            full_tile(kc, a_panel, b.Panel(j0, k0), NR, ct, ldc, acc, mr);
-          } else {
-            GemmTileKernel<T, MR, NR, false>(kc, a_panel, b.Panel(j0, k0), NR,
-                                             ct, ldc, acc, mr, nr);
+          }();
+          for (int64_t j0 = jb; j0 < jb_end; j0 += NR) {
+            const int nr = static_cast<int>(std::min<int64_t>(NR, jb_end - j0));
+            T* ct = c + i0 * ldc + j0;
+            if (nr == NR) {
+              full_tile(kc, a, b[seg].Panel(j0, k0), NR, ct, ldc, acc, mr);
+            } else {
+              GemmTileKernel<T, MR, NR, false>(kc, a, b[seg].Panel(j0, k0), NR,
+                                               ct, ldc, acc, mr, nr);
+            }
           }
         }
       }
@@ -173,45 +227,71 @@ void GemmBlocked(int64_t m, const T* a, int64_t a_rs, int64_t a_cs,
   }
 }
 
-template <typename T>
-void Gemm(int64_t m, const T* a, int64_t a_rs, int64_t a_cs,
-          const PackedRows<T>& b, T* c, int64_t ldc, bool accumulate) {
+// GemmBlocked on the tile kernels of the tier PackB chose.
+template <typename T, typename ASource>
+void GemmSegments(int64_t m, int64_t segments, const PackedRows<T>* b,
+                  const ASource& a_src, T* c, int64_t ldc, bool accumulate) {
 #if TAPEHOOK_HAVE_AVX2_PATH
-  // PackB chose the tile width by the tier in use.
-  if (b.nr() == simd::GemmNR<T>()) {
+  if (b[0].nr() == simd::GemmNR<T>()) {
     GemmBlocked<T, simd::kGemmMR, simd::GemmNR<T>()>(
-        m, a, a_rs, a_cs, b, c, ldc, accumulate, simd::GemmTile<T>);
+        m, segments, b, a_src, c, ldc, accumulate,
+        [](int64_t kc, const auto& a, const T* bt, int64_t ldb, T* ct,
+           int64_t ldc_, bool acc,
+           int mr) { simd::GemmTileWith(kc, a, bt, ldb, ct, ldc_, acc, mr); });
     return;
   }
 #endif
   constexpr int MR = GemmTile<T>::kMR, NR = GemmTile<T>::kNR;
-  GemmBlocked<T, MR, NR>(
-      m, a, a_rs, a_cs, b, c, ldc, accumulate,
-      [](int64_t kc, const T* panel, const T* bt, int64_t ldb, T* ct,
-         int64_t ldc_, bool acc, int mr) {
-        GemmTileKernel<T, MR, NR, true>(kc, panel, bt, ldb, ct, ldc_, acc, mr,
-                                        NR);
-      });
+  GemmBlocked<T, MR, NR>(m, segments, b, a_src, c, ldc, accumulate,
+                         [](int64_t kc, const auto& a, const T* bt, int64_t ldb,
+                            T* ct, int64_t ldc_, bool acc, int mr) {
+                           GemmTileKernel<T, MR, NR, true>(kc, a, bt, ldb, ct,
+                                                           ldc_, acc, mr, NR);
+                         });
 }
 
-// W_hat packed for the GEMM: the [K, out_c] matrix (HWIO flattened), or its
-// transpose [out_c, K].
+template <typename T>
+void Gemm(int64_t m, const T* a, int64_t a_rs, int64_t a_cs,
+          const PackedRows<T>& b, T* c, int64_t ldc, bool accumulate) {
+  GemmSegments(m, 1, &b, StridedA<T>{a, a_rs, a_cs}, c, ldc, accumulate);
+}
+
+// W_hat = alpha * sign(W) packed for a GEMM: as the [K, out_c] matrix of
+// the forward (HWIO flattened), or by tap, [taps * out_c, in_c] (row
+// tap * out_c + o), the B of BackpropInput by taps.
+enum class WeightLayout { kFilter, kByTap };
+
 template <typename T>
 PackedB<T> PackedSignedWeights(const ConvShape& s, const T* w, Scale scale,
-                               bool transpose, Impl impl,
+                               WeightLayout layout, Impl impl,
                                const ParallelFor& parallel_for) {
   const int64_t K = FilterSize(s);
-  const int64_t N = s.out_c;
-  const std::vector<double> alpha = Alpha(s, w, scale);
-  std::vector<T> w_hat(K * N);
-  for (int64_t k = 0; k < K; ++k) {
-    for (int64_t o = 0; o < N; ++o) {
-      w_hat[k * N + o] = static_cast<T>(alpha[o]) * Sign(w[k * N + o]);
-    }
-  }
+  const int64_t N = s.out_c, C = s.in_c;
+  const std::vector<T> alpha = [&] {
+    const std::vector<double> a = Alpha(s, w, scale);
+    return std::vector<T>(a.begin(), a.end());
+  }();
   PackedB<T> packed;
-  PackB(transpose ? N : K, transpose ? K : N, w_hat.data(), transpose ? 1 : N,
-        transpose ? N : 1, impl, parallel_for, &packed);
+  if (layout == WeightLayout::kFilter) {
+    PackBWith<T>(
+        K, N,
+        [&](int64_t k, int64_t o) { return alpha[o] * Sign(w[k * N + o]); },
+        impl, parallel_for, &packed);
+  } else {  // row r = tap * N + o, column c: w[(tap * C + c) * N + o]
+    const int64_t depth = K / C * N;
+    std::vector<int64_t> row_base(depth);
+    std::vector<T> row_alpha(depth);
+    for (int64_t r = 0; r < depth; ++r) {
+      row_base[r] = r / N * C * N + r % N;
+      row_alpha[r] = alpha[r % N];
+    }
+    PackBWith<T>(
+        depth, C,
+        [&](int64_t r, int64_t c) {
+          return row_alpha[r] * Sign(w[row_base[r] + c * N]);
+        },
+        impl, parallel_for, &packed);
+  }
   return packed;
 }
 
@@ -241,31 +321,6 @@ void Im2Col(const ConvShape& s, const T* x, bool binary, int64_t pix0,
         for (int64_t c = 0; c < width; ++c) dst[c] = Sign(src[c]);
       } else {
         std::copy(src, src + width, dst);
-      }
-    }
-  }
-}
-
-// Adds row p of dcol [np, K] into the input pixels that output pixel
-// pix0 + p reads (the adjoint of Im2Col).
-template <typename T>
-void Col2ImAdd(const ConvShape& s, const T* dcol, int64_t pix0, int64_t np,
-               T* dx) {
-  const int64_t K = FilterSize(s);
-  const int64_t C = s.in_c;
-  for (int64_t p = 0; p < np; ++p) {
-    const PixelPos q = Pos(s, pix0 + p);
-    T* dxn = dx + q.n * s.in_h * s.in_w * C;
-    const T* row = dcol + p * K;
-    for (int64_t kh = 0; kh < s.k_h; ++kh) {
-      const int64_t ih = q.oh * s.stride_h - s.pad_top + kh * s.dil_h;
-      if (ih < 0 || ih >= s.in_h) continue;
-      for (int64_t kw = 0; kw < s.k_w; ++kw) {
-        const int64_t iw = q.ow * s.stride_w - s.pad_left + kw * s.dil_w;
-        if (iw < 0 || iw >= s.in_w) continue;
-        const T* src = row + (kh * s.k_w + kw) * C;
-        T* dst = dxn + (ih * s.in_w + iw) * C;
-        for (int64_t c = 0; c < C; ++c) dst[c] += src[c];
       }
     }
   }

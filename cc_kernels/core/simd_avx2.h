@@ -21,6 +21,21 @@
 #endif
 
 namespace tapehook {
+
+// The A of one GEMM register tile, MR rows: element (i, k) at At(i, k).
+// Either a packed [depth][MR] panel ...
+template <typename T, int MR>
+struct PanelA {
+  const T* a;
+  const T* At(int i, int64_t k) const { return a + k * MR + i; }
+};
+// ... or MR contiguous runs read in place (rows gathered by pointer).
+template <typename T, int MR>
+struct RowsA {
+  const T* rows[MR];
+  const T* At(int i, int64_t k) const { return rows[i] + k; }
+};
+
 namespace simd {
 
 #if TAPEHOOK_HAVE_AVX2_PATH
@@ -55,12 +70,13 @@ TAPEHOOK_AVX2 inline __m256d Fma(__m256d a, __m256d b, __m256d c) {
 TAPEHOOK_AVX2 inline __m256 Zero(const float*) { return _mm256_setzero_ps(); }
 TAPEHOOK_AVX2 inline __m256d Zero(const double*) { return _mm256_setzero_pd(); }
 
-// One full-width tile: c[i, 0:NR] (+)= sum_k a[k][i] * b[k, 0:NR] for
-// i < kGemmMR, a being a packed [depth][kGemmMR] panel. 12 accumulators stay
-// in registers; rows >= mr are zero padding, computed but not stored.
-template <typename T>
-TAPEHOOK_AVX2 void GemmTile(int64_t depth, const T* a, const T* b, int64_t ldb,
-                            T* c, int64_t ldc, bool accumulate, int mr) {
+// One full-width tile: c[i, 0:NR] (+)= sum_k A(i, k) * b[k, 0:NR] for
+// i < kGemmMR, A a PanelA or RowsA. 12 accumulators stay in registers;
+// rows >= mr are zero padding, computed but not stored.
+template <typename T, typename A>
+TAPEHOOK_AVX2 void GemmTileWith(int64_t depth, const A& a, const T* b,
+                                int64_t ldb, T* c, int64_t ldc, bool accumulate,
+                                int mr) {
   constexpr int L = 32 / sizeof(T);  // lanes per vector
   using V = decltype(Load(static_cast<const T*>(nullptr)));
   // Ragged tiles (mr < kGemmMR) go through a full-size scratch tile: with
@@ -91,10 +107,9 @@ TAPEHOOK_AVX2 void GemmTile(int64_t depth, const T* a, const T* b, int64_t ldb,
     // B panels stream from L2; the hardware prefetcher alone stalls here.
     _mm_prefetch(reinterpret_cast<const char*>(b + (k + 8) * ldb), _MM_HINT_T0);
     const V b0 = Load(b + k * ldb), b1 = Load(b + k * ldb + L);
-    const T* ak = a + k * kGemmMR;
 #define TAPEHOOK_ROW(i)                 \
   {                                     \
-    const V ai = Broadcast(ak + i);     \
+    const V ai = Broadcast(a.At(i, k)); \
     acc##i##0 = Fma(ai, b0, acc##i##0); \
     acc##i##1 = Fma(ai, b1, acc##i##1); \
   }
@@ -119,6 +134,13 @@ TAPEHOOK_AVX2 void GemmTile(int64_t depth, const T* a, const T* b, int64_t ldb,
   for (int i = 0; i < mr && ct == scratch; ++i) {
     for (int j = 0; j < 2 * L; ++j) c[i * ldc + j] = scratch[i * 2 * L + j];
   }
+}
+
+// GemmTileWith on a packed [depth][kGemmMR] panel.
+template <typename T>
+TAPEHOOK_AVX2 void GemmTile(int64_t depth, const T* a, const T* b, int64_t ldb,
+                            T* c, int64_t ldc, bool accumulate, int mr) {
+  GemmTileWith(depth, PanelA<T, kGemmMR>{a}, b, ldb, c, ldc, accumulate, mr);
 }
 
 // Nibble form of a word of signs (AVX2 has no vpopcnt, so popcounts go
