@@ -185,7 +185,8 @@ struct GatheredA {
 // B_s = b[s] (all n columns wide), with an MR x NR register tile; full
 // tiles go to full_tile (portable or AVX2), the ragged right edge to the
 // portable kernel. C is row-major; a_src packs A's panels ([depth][MR], so
-// the tile kernel vectorizes across columns, not depth). Columns are
+// the tile kernel vectorizes across columns, not depth) or, kInPlace, hands
+// the tile its MR rows to read where they are. Columns are
 // blocked so the B panels that all row panels reuse stay in L2, and column
 // blocks are the outer loop so a block's C tiles stay in cache over the
 // segments and depth passes (each C element still sums them in order).
