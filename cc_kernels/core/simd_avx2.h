@@ -136,13 +136,6 @@ TAPEHOOK_AVX2 void GemmTileWith(int64_t depth, const A& a, const T* b,
   }
 }
 
-// GemmTileWith on a packed [depth][kGemmMR] panel.
-template <typename T>
-TAPEHOOK_AVX2 void GemmTile(int64_t depth, const T* a, const T* b, int64_t ldb,
-                            T* c, int64_t ldc, bool accumulate, int mr) {
-  GemmTileWith(depth, PanelA<T, kGemmMR>{a}, b, ldb, c, ldc, accumulate, mr);
-}
-
 // Nibble form of a word of signs (AVX2 has no vpopcnt, so popcounts go
 // through a 16-entry byte table): the low nibble of each byte, then the high
 // one, as two words whose bytes hold 0..15. Shifts and masks commute with
