@@ -1,8 +1,6 @@
 // Sign-table dW on AVX2 (see lut_backprop_avx2.h for the idea).
 //
 // Sign convention of every index: bit 1 <=> -1 (t < 0 or NaN), bit 0 <=> +1.
-// The sign vectors S_i[j] = (j >> i) & 1 ? -1 : +1 make a table from three
-// floats with one multiply and two FMAs: T = d0 S0 + d1 S1 + d2 S2.
 #include "lut_backprop_avx2.h"
 
 #include <algorithm>
@@ -31,21 +29,23 @@ using lut_common::PaddingCorrection;
 using lut_common::Scratch;
 using lut_common::TapsOf;
 
-// Position groups per K chunk (48 measured best of 48 / 64 / 96 / 192 at
-// Bi-Real-Net's shapes on a Zen 3: one tile's tables stay in L1) and output
-// channels per slice (a multiple of both tiles' channel counts, 12 and 6).
-constexpr int64_t kChunk = 48;
-constexpr int64_t kSlice = 48;
+// Position groups per K chunk: a tile's tables (at most 3 x 512 bytes a
+// group) stay in L1 while every tap and input channel reads them (16
+// measured best of 8 / 16 / 24 / 32 at Bi-Real-Net's shapes on a Zen 2).
+constexpr int64_t kChunk = 16;
+// A table: 16 entries of 8 output channels (one 8-lane output channel
+// block), 512 bytes. A tile spans at most 3 blocks (12 accumulators).
+constexpr int kEntries = 16;
+constexpr int64_t kTableBytes = kEntries * 8 * sizeof(float);
+constexpr int64_t kMaxBlocks = 3;
 
 struct Geometry {
   int64_t n, h, w, ci, oh, ow, co, kh, kw, sh, sw, pt, pl;
-  int64_t ci_pad;         // ci rounded up to 8 lanes
-  int64_t cb;             // 8-lane input channel blocks
-  int64_t nb;             // triples of images: a position group is one output
-                          // pixel in 3 consecutive images
-  int64_t nih, niw;       // the triple image's rows and columns
-  int64_t b, ncbb, cmax;  // blocks per tile, cb / b, channels per tile
-  int lb;                 // log2 b
+  int64_t cb;        // bytes of sign bits per pixel (8 channels each)
+  int64_t cob;       // 8-lane output channel blocks
+  int64_t nq;        // quads of images: a position group is one output pixel
+                     // in 4 consecutive images
+  int64_t nih, niw;  // the quad image's rows and columns
 };
 
 Geometry GeometryOf(const ConvShape& s) {
@@ -53,48 +53,27 @@ Geometry GeometryOf(const ConvShape& s) {
   g.n = s.batch, g.h = s.in_h, g.w = s.in_w, g.ci = s.in_c;
   g.oh = s.out_h, g.ow = s.out_w, g.co = s.out_c, g.kh = s.k_h, g.kw = s.k_w;
   g.sh = s.stride_h, g.sw = s.stride_w, g.pt = s.pad_top, g.pl = s.pad_left;
-  g.ci_pad = RoundUp(g.ci, 8);
-  g.cb = g.ci_pad / 8;
-  g.nb = (g.n + 2) / 3;
+  g.cb = (g.ci + 7) / 8;
+  g.cob = (g.co + 7) / 8;
+  g.nq = (g.n + 3) / 4;
   g.nih = (g.oh - 1) * g.sh + g.kh;
   g.niw = (g.ow - 1) * g.sw + g.kw;
-  g.lb = g.cb % 2 == 0 ? 1 : 0;
-  g.b = int64_t{1} << g.lb;
-  g.ncbb = g.cb / g.b;
-  g.cmax = g.b == 2 ? 6 : 12;
   return g;
 }
 
-// The sign vectors as floats (initialized without AVX2 instructions, so that
-// loading the library runs none).
-struct SignRows {
-  alignas(32) float v[3][8];
-  alignas(32) int32_t lane_bit[8];
-  SignRows() {
-    for (int i = 0; i < 3; ++i) {
-      for (int j = 0; j < 8; ++j) v[i][j] = ((j >> i) & 1) ? -1.f : 1.f;
+// kSpread.v[m]: byte k of the word = bit k of m (a byte of 8 channels' sign
+// bits to one byte per channel).
+struct Spread {
+  uint64_t v[256];
+  Spread() {
+    for (int m = 0; m < 256; ++m) {
+      uint64_t u = 0;
+      for (int k = 0; k < 8; ++k) u |= uint64_t((m >> k) & 1) << (8 * k);
+      v[m] = u;
     }
-    for (int j = 0; j < 8; ++j) lane_bit[j] = 1 << j;
   }
 };
-const SignRows kSignRows;
-
-struct Signs {
-  __m256 s[3];
-};
-
-TAPEHOOK_AVX2 inline Signs LoadSigns() {
-  Signs S;
-  for (int i = 0; i < 3; ++i) S.s[i] = _mm256_load_ps(kSignRows.v[i]);
-  return S;
-}
-
-TAPEHOOK_AVX2 inline __m256 MakeTable(const Signs& S, float d0, float d1,
-                                      float d2) {
-  __m256 t = _mm256_mul_ps(_mm256_set1_ps(d0), S.s[0]);
-  t = _mm256_fmadd_ps(_mm256_set1_ps(d1), S.s[1], t);
-  return _mm256_fmadd_ps(_mm256_set1_ps(d2), S.s[2], t);
-}
+const Spread kSpread;
 
 // Signs of x, 8 channels to a byte (bit 1 <=> -1, 0 past ci): pixels
 // [p0, p1) of a float x.
@@ -135,178 +114,206 @@ void SignsOfPacked(const uint8_t* packed, int64_t ci, int64_t cb, int64_t p0,
   }
 }
 
-// Triple image TI[nb][r][c][ci_pad] int32, r = ih + pt in [0, nih), c = iw
-// + pl in [0, niw): bit i = sign bit of x(3 nb + i, ih, iw), i < 3 (0, i.e.
-// +1, outside the image or past the batch). Rows nr = nb * nih + r in
-// [r0, r1).
-TAPEHOOK_AVX2 void TripleRows(const Geometry& g, const uint8_t* bits,
-                              int64_t r0, int64_t r1, int32_t* ti) {
-  const __m256i lane_bit =
-      _mm256_load_si256(reinterpret_cast<const __m256i*>(kSignRows.lane_bit));
+// Quad image QI[nq][r][c][ci] uint16, r = ih + pt in [0, nih), c = iw + pl
+// in [0, niw): the byte offset of the table entry x selects, 32 j with bit i
+// of j = sign bit of x(4 q + i, ih, iw) (0, i.e. +1, outside the image or
+// past the batch). Rows nr = q * nih + r in [r0, r1).
+TAPEHOOK_AVX2 void QuadRows(const Geometry& g, const uint8_t* bits, int64_t r0,
+                            int64_t r1, uint16_t* qi) {
+  const int64_t full = g.ci / 8;
   for (int64_t nr = r0; nr < r1; ++nr) {
-    const int64_t n0 = nr / g.nih * 3, ih = nr % g.nih - g.pt;
-    int32_t* row = ti + nr * g.niw * g.ci_pad;
+    const int64_t n0 = nr / g.nih * 4, ih = nr % g.nih - g.pt;
+    uint16_t* row = qi + nr * g.niw * g.ci;
     if (ih < 0 || ih >= g.h) {
-      std::memset(row, 0, sizeof(int32_t) * g.niw * g.ci_pad);
+      std::memset(row, 0, sizeof(uint16_t) * g.niw * g.ci);
       continue;
     }
+    const int images = static_cast<int>(std::min<int64_t>(4, g.n - n0));
     for (int64_t c = 0; c < g.niw; ++c) {
+      uint16_t* out = row + c * g.ci;
       const int64_t iw = c - g.pl;
+      if (iw < 0 || iw >= g.w) {
+        std::memset(out, 0, sizeof(uint16_t) * g.ci);
+        continue;
+      }
+      const uint8_t* xr[4];
+      for (int i = 0; i < images; ++i) {
+        xr[i] = bits + (((n0 + i) * g.h + ih) * g.w + iw) * g.cb;
+      }
       for (int64_t j = 0; j < g.cb; ++j) {
-        __m256i v = _mm256_setzero_si256();
-        for (int i = 0; i < 3; ++i) {
-          if (iw < 0 || iw >= g.w || n0 + i >= g.n) continue;
-          const uint8_t* xr = bits + ((n0 + i) * g.h + ih) * g.w * g.cb;
-          const __m256i m = _mm256_set1_epi32(xr[iw * g.cb + j]);
-          const __m256i set =
-              _mm256_cmpeq_epi32(_mm256_and_si256(m, lane_bit), lane_bit);
-          v = _mm256_or_si256(v,
-                              _mm256_and_si256(set, _mm256_set1_epi32(1 << i)));
+        uint64_t idx = 0;  // byte k: the entry index of channel 8 j + k
+        for (int i = 0; i < images; ++i) idx |= kSpread.v[xr[i][j]] << i;
+        const __m128i v = _mm_slli_epi16(
+            _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(idx))), 5);
+        if (j < full) {
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 8 * j), v);
+        } else {
+          alignas(16) uint16_t tail[8];
+          _mm_store_si128(reinterpret_cast<__m128i*>(tail), v);
+          std::memcpy(out + 8 * j, tail, sizeof(uint16_t) * (g.ci - 8 * j));
         }
-        _mm256_store_si256(
-            reinterpret_cast<__m256i*>(row + c * g.ci_pad + j * 8), v);
       }
     }
   }
 }
 
-// B channel blocks x C output channels, over ngroups position groups.
-// acc layout [co][ci_pad] (ci contiguous), acc_stride floats per co.
-template <int B, int C>
-TAPEHOOK_AVX2 void Tile(const int32_t* ti, const int64_t* goff, int64_t tapoff,
-                        const float* tab, int64_t tab_stride, int64_t ngroups,
+// The 16 entries of one position group's table for one output channel
+// block: entry j = sum_i (bit i of j ? -d_i : +d_i), summed in image order.
+TAPEHOOK_AVX2 inline void MakeTable(__m256 d0, __m256 d1, __m256 d2, __m256 d3,
+                                    float* t) {
+  __m256 e[16];
+  e[0] = d0;
+  e[1] = _mm256_sub_ps(_mm256_setzero_ps(), d0);
+  const __m256 d[3] = {d1, d2, d3};
+#pragma GCC unroll 3
+  for (int i = 0; i < 3; ++i) {
+    const int half = 2 << i;
+#pragma GCC unroll 8
+    for (int j = half - 1; j >= 0; --j) {
+      e[j + half] = _mm256_sub_ps(e[j], d[i]);
+      e[j] = _mm256_add_ps(e[j], d[i]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) _mm256_store_ps(t + 8 * j, e[j]);
+}
+
+// CI input channels x CB output channel blocks, over ngroups position
+// groups. Group gi's entry for input channel i of block b is the 8 floats at
+// byte tab + gi * tab_stride + b * 512 + qi[goff[gi] + tapoff + i]. acc:
+// CI rows of CB * 8 floats, acc_stride floats apart.
+template <int CI, int CB>
+TAPEHOOK_AVX2 void Tile(const uint16_t* qi, const int64_t* goff, int64_t tapoff,
+                        const char* tab, int64_t tab_stride, int64_t ngroups,
                         float* acc_out, int64_t acc_stride) {
-  __m256 acc[B][C];
-#pragma GCC unroll 2
-  for (int b = 0; b < B; ++b) {
+  __m256 acc[CI][CB];
 #pragma GCC unroll 12
-    for (int c = 0; c < C; ++c) {
-      acc[b][c] = _mm256_load_ps(acc_out + c * acc_stride + b * 8);
+  for (int i = 0; i < CI; ++i) {
+#pragma GCC unroll 3
+    for (int b = 0; b < CB; ++b) {
+      acc[i][b] = _mm256_loadu_ps(acc_out + i * acc_stride + b * 8);
     }
   }
   for (int64_t gi = 0; gi < ngroups; ++gi) {
-    const int32_t* ip = ti + goff[gi] + tapoff;
-    const float* tp = tab + gi * tab_stride;
-    __m256i ix[B];
-#pragma GCC unroll 2
-    for (int b = 0; b < B; ++b) {
-      ix[b] = _mm256_load_si256(reinterpret_cast<const __m256i*>(ip + b * 8));
-    }
+    const uint16_t* ip = qi + goff[gi] + tapoff;
+    const char* tp = tab + gi * tab_stride;
 #pragma GCC unroll 12
-    for (int c = 0; c < C; ++c) {
-      __m256 table = _mm256_load_ps(tp + c * 8);
-      // One load per table: folded into each vpermps (as GCC does unasked)
-      // it costs a load per use, and measured 1.65 against 2.08 G pairs/s.
-      if (B > 1) __asm__("" : "+x"(table));
-#pragma GCC unroll 2
-      for (int b = 0; b < B; ++b) {
-        acc[b][c] =
-            _mm256_add_ps(acc[b][c], _mm256_permutevar8x32_ps(table, ix[b]));
+    for (int i = 0; i < CI; ++i) {
+      const char* e = tp + ip[i];
+#pragma GCC unroll 3
+      for (int b = 0; b < CB; ++b) {
+        acc[i][b] = _mm256_add_ps(acc[i][b],
+                                  _mm256_load_ps(reinterpret_cast<const float*>(
+                                      e + b * kTableBytes)));
       }
     }
   }
-#pragma GCC unroll 2
-  for (int b = 0; b < B; ++b) {
 #pragma GCC unroll 12
-    for (int c = 0; c < C; ++c) {
-      _mm256_store_ps(acc_out + c * acc_stride + b * 8, acc[b][c]);
+  for (int i = 0; i < CI; ++i) {
+#pragma GCC unroll 3
+    for (int b = 0; b < CB; ++b) {
+      _mm256_storeu_ps(acc_out + i * acc_stride + b * 8, acc[i][b]);
     }
   }
 }
 
-using TileFn = void (*)(const int32_t*, const int64_t*, int64_t, const float*,
+using TileFn = void (*)(const uint16_t*, const int64_t*, int64_t, const char*,
                         int64_t, int64_t, float*, int64_t);
 
-template <int B, int... Cs>
-void FillTiles(TileFn* table, std::integer_sequence<int, Cs...>) {
-  ((table[Cs + 1] = &Tile<B, Cs + 1>), ...);
+template <int CB, int... Is>
+void FillTiles(TileFn* table, std::integer_sequence<int, Is...>) {
+  ((table[Is + 1] = &Tile<Is + 1, CB>), ...);
 }
 
-// kTiles.k[log2 B][C]: 12 output channels for B = 1, 6 for B = 2 (12
-// accumulators, B indices and a table: at most 15 of the 16 ymm).
+// kTiles.k[CB][CI]: CI <= 12 / CB input channels (12 accumulators; the
+// table loads fold into the adds).
 struct Tiles {
-  TileFn k[2][13] = {};
+  TileFn k[kMaxBlocks + 1][13] = {};
   Tiles() {
-    FillTiles<1>(k[0], std::make_integer_sequence<int, 12>());
-    FillTiles<2>(k[1], std::make_integer_sequence<int, 6>());
+    FillTiles<1>(k[1], std::make_integer_sequence<int, 12>());
+    FillTiles<2>(k[2], std::make_integer_sequence<int, 6>());
+    FillTiles<3>(k[3], std::make_integer_sequence<int, 4>());
   }
 };
 const Tiles kTiles;
 
-// dW columns [co_begin, co_end), in slices of up to kSlice channels: per
-// slice, acc[tap][csn][ci_pad] over K chunks of position groups, then the
-// padding correction and the transpose into HWIO.
+// dW columns of the output channel blocks [b0, b0 + nb), nb <= kMaxBlocks:
+// acc[tap][ci][nb * 8] over K chunks of position groups, then the padding
+// correction and the copy into HWIO.
 TAPEHOOK_AVX2 void Columns(const Geometry& g, const DwTaps& taps,
-                           const int32_t* ti, const float* dy, int64_t co_begin,
-                           int64_t co_end, float* dw) {
-  const Signs S = LoadSigns();
+                           const uint16_t* qi, const float* dy, int64_t b0,
+                           int64_t nb, float* dw) {
   const int64_t ntaps = g.kh * g.kw;
-  const int64_t total_groups = g.nb * g.oh * g.ow;
-  const int64_t ti_img = g.nih * g.niw * g.ci_pad;
-  Scratch<float> tab(kChunk * kSlice * 8);
-  Scratch<float> acc(ntaps * kSlice * g.ci_pad);
+  const int64_t total_groups = g.nq * g.oh * g.ow;
+  const int64_t qi_img = g.nih * g.niw * g.ci;
+  const int64_t co0 = 8 * b0;
+  const int64_t cols = std::min<int64_t>(8 * nb, g.co - co0);
+  const int64_t width = 8 * nb;
+  const int64_t ci_tile = 12 / nb;
+  const int64_t tab_stride = nb * kTableBytes;
+  Scratch<float> tab(kChunk * nb * kEntries * 8);
+  Scratch<float> acc(ntaps * g.ci * width);
   std::vector<int64_t> goff(kChunk);
-  std::vector<float> corr(ntaps * kSlice);
-  std::vector<float> border_sum(taps.border.size() * kSlice);
-  for (int64_t cs0 = co_begin; cs0 < co_end; cs0 += kSlice) {
-    const int64_t csn = std::min(kSlice, co_end - cs0);
-    std::memset(acc.get(), 0, sizeof(float) * ntaps * csn * g.ci_pad);
-    for (int64_t k0 = 0; k0 < total_groups; k0 += kChunk) {
-      const int64_t kc = std::min(kChunk, total_groups - k0);
-      // Tables [group][co in slice][8] and the groups' triple offsets.
-      for (int64_t gi = 0; gi < kc; ++gi) {
-        const int64_t gg = k0 + gi;
-        const int64_t b = gg / (g.oh * g.ow), pix = gg % (g.oh * g.ow);
-        const int64_t o = pix / g.ow, x = pix % g.ow;
-        goff[gi] = b * ti_img + (o * g.sh * g.niw + x * g.sw) * g.ci_pad;
-        const int64_t img = g.oh * g.ow * g.co;  // dy floats per image
-        const float* d = dy + (3 * b * g.oh * g.ow + pix) * g.co + cs0;
-        float* dst = tab.get() + gi * csn * 8;
-        const int64_t valid = std::min<int64_t>(3, g.n - 3 * b);
-        if (valid == 3) {
-          for (int64_t c = 0; c < csn; ++c) {
-            _mm256_store_ps(dst + c * 8,
-                            MakeTable(S, d[c], d[c + img], d[c + 2 * img]));
-          }
-        } else {
-          for (int64_t c = 0; c < csn; ++c) {
-            float v[3] = {0, 0, 0};
-            for (int64_t i = 0; i < valid; ++i) v[i] = d[c + i * img];
-            _mm256_store_ps(dst + c * 8, MakeTable(S, v[0], v[1], v[2]));
-          }
-        }
-      }
-      for (int64_t c0 = 0; c0 < csn; c0 += g.cmax) {
-        const int64_t nc = std::min(g.cmax, csn - c0);
-        for (int64_t tap = 0; tap < ntaps; ++tap) {
-          if (!taps.live[tap]) continue;
-          const int64_t tapoff = (tap / g.kw * g.niw + tap % g.kw) * g.ci_pad;
-          for (int64_t cbblk = 0; cbblk < g.ncbb; ++cbblk) {
-            kTiles.k[g.lb][nc](
-                ti + cbblk * g.b * 8, goff.data(), tapoff, tab.get() + c0 * 8,
-                csn * 8, kc,
-                acc.get() + (tap * csn + c0) * g.ci_pad + cbblk * g.b * 8,
-                g.ci_pad);
+  std::vector<float> corr(ntaps * width);
+  std::vector<float> border_sum(taps.border.size() * width);
+  std::memset(acc.get(), 0, sizeof(float) * ntaps * g.ci * width);
+  // dy lanes past co read as 0 (only the last block can have them).
+  alignas(32) int32_t lane_mask[8];
+  for (int k = 0; k < 8; ++k) lane_mask[k] = 8 * (nb - 1) + k < cols ? -1 : 0;
+  const __m256i tail_mask =
+      _mm256_load_si256(reinterpret_cast<const __m256i*>(lane_mask));
+  const int64_t img = g.oh * g.ow * g.co;  // dy floats per image
+  const TileFn* tiles = kTiles.k[nb];
+  for (int64_t k0 = 0; k0 < total_groups; k0 += kChunk) {
+    const int64_t kc = std::min(kChunk, total_groups - k0);
+    for (int64_t gi = 0; gi < kc; ++gi) {
+      const int64_t gg = k0 + gi;
+      const int64_t q = gg / (g.oh * g.ow), pix = gg % (g.oh * g.ow);
+      const int64_t o = pix / g.ow, x = pix % g.ow;
+      goff[gi] = q * qi_img + (o * g.sh * g.niw + x * g.sw) * g.ci;
+      const float* d = dy + (4 * q * g.oh * g.ow + pix) * g.co + co0;
+      const int64_t images = std::min<int64_t>(4, g.n - 4 * q);
+      for (int64_t b = 0; b < nb; ++b) {
+        __m256 v[4];
+        for (int64_t i = 0; i < 4; ++i) {
+          if (i >= images) {
+            v[i] = _mm256_setzero_ps();
+          } else if (8 * b + 8 <= cols) {
+            v[i] = _mm256_loadu_ps(d + i * img + 8 * b);
+          } else {
+            v[i] = _mm256_maskload_ps(d + i * img + 8 * b, tail_mask);
           }
         }
+        MakeTable(v[0], v[1], v[2], v[3],
+                  tab.get() + (gi * nb + b) * kEntries * 8);
       }
     }
-    // Zero padding: the kernel counted padded taps as +1; subtract
-    // corr[tap][co] = the sum of dy over the positions where tap is padding.
-    PaddingCorrection(g, taps, dy, cs0, csn, kSlice, &border_sum, &corr);
-    // acc [tap][co][ci] -> dw [tap][ci][co] minus corr; taps that never
-    // meet the input are exact zeros.
     for (int64_t tap = 0; tap < ntaps; ++tap) {
-      const float* a = acc.get() + tap * csn * g.ci_pad;
-      const float* cv = corr.data() + tap * kSlice;
-      for (int64_t i = 0; i < g.ci; ++i) {
-        float* out = dw + (tap * g.ci + i) * g.co + cs0;
-        if (!taps.live[tap]) {
-          std::fill_n(out, csn, 0.0f);
-          continue;
-        }
-        for (int64_t c = 0; c < csn; ++c) out[c] = a[c * g.ci_pad + i] - cv[c];
+      if (!taps.live[tap]) continue;
+      const int64_t tapoff = (tap / g.kw * g.niw + tap % g.kw) * g.ci;
+      for (int64_t i0 = 0; i0 < g.ci; i0 += ci_tile) {
+        const int64_t ni = std::min(ci_tile, g.ci - i0);
+        tiles[ni](qi + i0, goff.data(), tapoff,
+                  reinterpret_cast<const char*>(tab.get()), tab_stride, kc,
+                  acc.get() + (tap * g.ci + i0) * width, width);
       }
+    }
+  }
+  // Zero padding: the kernel counted padded taps as +1; subtract
+  // corr[tap][co] = the sum of dy over the positions where tap is padding.
+  PaddingCorrection(g, taps, dy, co0, cols, width, &border_sum, &corr);
+  // acc[tap][ci][co] minus corr into dw[tap][ci][co]; taps that never meet
+  // the input are exact zeros.
+  for (int64_t tap = 0; tap < ntaps; ++tap) {
+    const float* cv = corr.data() + tap * width;
+    for (int64_t i = 0; i < g.ci; ++i) {
+      float* out = dw + (tap * g.ci + i) * g.co + co0;
+      if (!taps.live[tap]) {
+        std::fill_n(out, cols, 0.0f);
+        continue;
+      }
+      const float* a = acc.get() + (tap * g.ci + i) * width;
+      for (int64_t c = 0; c < cols; ++c) out[c] = a[c] - cv[c];
     }
   }
 }
@@ -314,19 +321,23 @@ TAPEHOOK_AVX2 void Columns(const Geometry& g, const DwTaps& taps,
 // dW from the sign bits of x ([pixel][cb] bytes).
 void FilterFromSigns(const Geometry& g, const uint8_t* bits, const float* dy,
                      float* dw, const ParallelFor& parallel_for) {
-  Scratch<int32_t> ti(g.nb * g.nih * g.niw * g.ci_pad);
-  parallel_for(g.nb * g.nih, g.niw * g.ci_pad * 4, [&](int64_t r0, int64_t r1) {
-    TripleRows(g, bits, r0, r1, ti.get());
+  Scratch<uint16_t> qi(g.nq * g.nih * g.niw * g.ci);
+  parallel_for(g.nq * g.nih, g.niw * g.ci * 2, [&](int64_t r0, int64_t r1) {
+    QuadRows(g, bits, r0, r1, qi.get());
   });
   const DwTaps taps = TapsOf(g);
-  // Units of 12 output channels (whole tiles: 12 or 2 x 6), one even shard
-  // per thread: every shard reads the whole triple image once per 6 or 12
-  // of its channels, so TF's 4 shards per thread cost 30 % (16.0 against
-  // 12.3 ms at 28x28x64, batch 32, 2 threads).
-  constexpr int64_t kUnit = 12;
-  const int64_t units = (g.co + kUnit - 1) / kUnit;
-  parallel_for(units, kEvenShards, [&](int64_t u0, int64_t u1) {
-    Columns(g, taps, ti.get(), dy, kUnit * u0, std::min(g.co, kUnit * u1), dw);
+  // Output channel blocks, one even shard per thread (each tile of a shard
+  // reads the whole quad image), in tiles of at most 3 blocks, as even as the
+  // shard allows (4 blocks: 2 + 2).
+  parallel_for(g.cob, kEvenShards, [&](int64_t u0, int64_t u1) {
+    const int64_t blocks = u1 - u0;
+    const int64_t ntiles = (blocks + kMaxBlocks - 1) / kMaxBlocks;
+    int64_t b = u0;
+    for (int64_t t = 0; t < ntiles; ++t) {
+      const int64_t nb = blocks / ntiles + (t < blocks % ntiles ? 1 : 0);
+      Columns(g, taps, qi.get(), dy, b, nb, dw);
+      b += nb;
+    }
   });
 }
 
