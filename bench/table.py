@@ -275,6 +275,11 @@ DOC_WHY = """\
   does 64 multiply-adds where an FMA does 16
   (`cc_kernels/core/lut_backprop.h`; the prototype's measurements:
   `bench/lut_backprop/REPORT.md`; at whole-model shapes: `bench/backprops.py`).
+- **dW of a binary input on AVX2**: the same 16 signed sums, of 4 images' dy
+  at one output pixel, stored as 16 vectors of 8 output channels; each input
+  channel's 4 signs of x pick one, and a vaddps with its folded load does 32
+  multiply-adds (`cc_kernels/core/lut_backprop_avx2.h`; against Eigen's
+  backprop-filter at the models' shapes: `bench/backprops.py --plans avx2`).
 - **Packed backward**: the backward of a binary-activation conv reads the 2-bit
   packed input directly; no float x is rebuilt.
 - **The dispatcher** sends what tapehook does not win to stock ops. The rules,
