@@ -41,10 +41,16 @@ constexpr int64_t kMaxBlocks = 3;
 
 struct Geometry {
   int64_t n, h, w, ci, oh, ow, co, kh, kw, sh, sw, pt, pl;
-  int64_t cb;        // bytes of sign bits per pixel (8 channels each)
-  int64_t cob;       // 8-lane output channel blocks
-  int64_t nq;        // quads of images: a position group is one output pixel
-                     // in 4 consecutive images
+  int64_t cb;   // bytes of sign bits per pixel (8 channels each)
+  int64_t cob;  // 8-lane output channel blocks
+  // A position group is 4 positions whose dy one table sums: one output
+  // pixel in 4 consecutive images, or (by_cols) 4 consecutive output columns
+  // of one image, whichever makes fewer groups (batch 32: images; batch 1:
+  // columns). Empty slots (past the batch or the row) have dy = 0.
+  bool by_cols;
+  int64_t nq;        // image slots: quads of images, or images (by_cols)
+  int64_t gw;        // groups per output row: ow, or ceil(ow / 4) (by_cols)
+  int64_t slot;      // dy floats from one slot to the next
   int64_t nih, niw;  // the quad image's rows and columns
 };
 
@@ -55,7 +61,11 @@ Geometry GeometryOf(const ConvShape& s) {
   g.sh = s.stride_h, g.sw = s.stride_w, g.pt = s.pad_top, g.pl = s.pad_left;
   g.cb = (g.ci + 7) / 8;
   g.cob = (g.co + 7) / 8;
-  g.nq = (g.n + 3) / 4;
+  const int64_t by_images = (g.n + 3) / 4 * g.ow;
+  g.by_cols = g.n * ((g.ow + 3) / 4) < by_images;
+  g.nq = g.by_cols ? g.n : (g.n + 3) / 4;
+  g.gw = g.by_cols ? (g.ow + 3) / 4 : g.ow;
+  g.slot = g.by_cols ? g.co : g.oh * g.ow * g.co;
   g.nih = (g.oh - 1) * g.sh + g.kh;
   g.niw = (g.ow - 1) * g.sw + g.kw;
   return g;
@@ -116,33 +126,40 @@ void SignsOfPacked(const uint8_t* packed, int64_t ci, int64_t cb, int64_t p0,
 
 // Quad image QI[nq][r][c][ci] uint16, r = ih + pt in [0, nih), c = iw + pl
 // in [0, niw): the byte offset of the table entry x selects, 32 j with bit i
-// of j = sign bit of x(4 q + i, ih, iw) (0, i.e. +1, outside the image or
-// past the batch). Rows nr = q * nih + r in [r0, r1).
+// of j = sign bit of x(4 q + i, ih, iw), or by_cols of x(q, ih, iw + i sw)
+// (0, i.e. +1, outside the image or past the batch). Rows nr = q * nih + r
+// in [r0, r1).
 TAPEHOOK_AVX2 void QuadRows(const Geometry& g, const uint8_t* bits, int64_t r0,
                             int64_t r1, uint16_t* qi) {
   const int64_t full = g.ci / 8;
   for (int64_t nr = r0; nr < r1; ++nr) {
-    const int64_t n0 = nr / g.nih * 4, ih = nr % g.nih - g.pt;
+    const int64_t q = nr / g.nih, ih = nr % g.nih - g.pt;
     uint16_t* row = qi + nr * g.niw * g.ci;
     if (ih < 0 || ih >= g.h) {
       std::memset(row, 0, sizeof(uint16_t) * g.niw * g.ci);
       continue;
     }
-    const int images = static_cast<int>(std::min<int64_t>(4, g.n - n0));
     for (int64_t c = 0; c < g.niw; ++c) {
       uint16_t* out = row + c * g.ci;
-      const int64_t iw = c - g.pl;
-      if (iw < 0 || iw >= g.w) {
+      // The slots' sign bytes (a slot outside the image or the batch: none).
+      const uint8_t* xr[4];
+      int mask = 0;
+      for (int i = 0; i < 4; ++i) {
+        const int64_t n = g.by_cols ? q : 4 * q + i;
+        const int64_t iw = c - g.pl + (g.by_cols ? i * g.sw : 0);
+        if (n >= g.n || iw < 0 || iw >= g.w) continue;
+        xr[i] = bits + ((n * g.h + ih) * g.w + iw) * g.cb;
+        mask |= 1 << i;
+      }
+      if (mask == 0) {
         std::memset(out, 0, sizeof(uint16_t) * g.ci);
         continue;
       }
-      const uint8_t* xr[4];
-      for (int i = 0; i < images; ++i) {
-        xr[i] = bits + (((n0 + i) * g.h + ih) * g.w + iw) * g.cb;
-      }
       for (int64_t j = 0; j < g.cb; ++j) {
         uint64_t idx = 0;  // byte k: the entry index of channel 8 j + k
-        for (int i = 0; i < images; ++i) idx |= kSpread.v[xr[i][j]] << i;
+        for (int i = 0; i < 4; ++i) {
+          if (mask >> i & 1) idx |= kSpread.v[xr[i][j]] << i;
+        }
         const __m128i v = _mm_slli_epi16(
             _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(idx))), 5);
         if (j < full) {
@@ -244,7 +261,7 @@ TAPEHOOK_AVX2 void Columns(const Geometry& g, const DwTaps& taps,
                            const uint16_t* qi, const float* dy, int64_t b0,
                            int64_t nb, float* dw) {
   const int64_t ntaps = g.kh * g.kw;
-  const int64_t total_groups = g.nq * g.oh * g.ow;
+  const int64_t total_groups = g.nq * g.oh * g.gw;
   const int64_t qi_img = g.nih * g.niw * g.ci;
   const int64_t co0 = 8 * b0;
   const int64_t cols = std::min<int64_t>(8 * nb, g.co - co0);
@@ -262,26 +279,28 @@ TAPEHOOK_AVX2 void Columns(const Geometry& g, const DwTaps& taps,
   for (int k = 0; k < 8; ++k) lane_mask[k] = 8 * (nb - 1) + k < cols ? -1 : 0;
   const __m256i tail_mask =
       _mm256_load_si256(reinterpret_cast<const __m256i*>(lane_mask));
-  const int64_t img = g.oh * g.ow * g.co;  // dy floats per image
   const TileFn* tiles = kTiles.k[nb];
   for (int64_t k0 = 0; k0 < total_groups; k0 += kChunk) {
     const int64_t kc = std::min(kChunk, total_groups - k0);
     for (int64_t gi = 0; gi < kc; ++gi) {
       const int64_t gg = k0 + gi;
-      const int64_t q = gg / (g.oh * g.ow), pix = gg % (g.oh * g.ow);
-      const int64_t o = pix / g.ow, x = pix % g.ow;
+      const int64_t q = gg / (g.oh * g.gw), pix = gg % (g.oh * g.gw);
+      const int64_t o = pix / g.gw, x = pix % g.gw * (g.by_cols ? 4 : 1);
       goff[gi] = q * qi_img + (o * g.sh * g.niw + x * g.sw) * g.ci;
-      const float* d = dy + (4 * q * g.oh * g.ow + pix) * g.co + co0;
-      const int64_t images = std::min<int64_t>(4, g.n - 4 * q);
+      // Slot 0's dy (image 4 q, or image q at column x) and the filled slots.
+      const int64_t n0 = g.by_cols ? q : 4 * q;
+      const float* d = dy + ((n0 * g.oh + o) * g.ow + x) * g.co + co0;
+      const int64_t filled =
+          std::min<int64_t>(4, g.by_cols ? g.ow - x : g.n - 4 * q);
       for (int64_t b = 0; b < nb; ++b) {
         __m256 v[4];
         for (int64_t i = 0; i < 4; ++i) {
-          if (i >= images) {
+          if (i >= filled) {
             v[i] = _mm256_setzero_ps();
           } else if (8 * b + 8 <= cols) {
-            v[i] = _mm256_loadu_ps(d + i * img + 8 * b);
+            v[i] = _mm256_loadu_ps(d + i * g.slot + 8 * b);
           } else {
-            v[i] = _mm256_maskload_ps(d + i * img + 8 * b, tail_mask);
+            v[i] = _mm256_maskload_ps(d + i * g.slot + 8 * b, tail_mask);
           }
         }
         MakeTable(v[0], v[1], v[2], v[3],
