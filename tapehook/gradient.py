@@ -123,6 +123,30 @@ def _stock_backprops(ops, x, w, dy, spec, attrs):
     return {op: grad for op, grad in zip(BACKPROPS, (dx, dw)) if op in ops}
 
 
+def forward_input(x, after):
+    """The float input ``x`` of a binary conv as its backward (or a rebuild of
+    its output) reads it. Where ``x`` is a Pad / PadV2 output in the graph
+    being built (one-padding makes one: conv2d.py), that pad run again on the
+    unpadded tensor once the tensors ``after`` exist: the step then keeps the
+    unpadded input (for a residual block the stream itself, which it may keep
+    anyway) instead of a padded copy of it, and the kernels read the same
+    values bit for bit. ``x`` itself elsewhere (eager, packed bits, other
+    producers)."""
+    if tf.executing_eagerly() or not hasattr(x, "op"):
+        return x
+    op = x.op
+    if op.type not in ("Pad", "PadV2") or op.graph is not tf.compat.v1.get_default_graph():
+        return x
+    # The control dependency keeps the executor from running the pad in the
+    # forward, which would keep its output as long as before.
+    with tf.control_dependencies(after):
+        if op.type == "Pad":
+            return tf.raw_ops.Pad(input=op.inputs[0], paddings=op.inputs[1])
+        return tf.raw_ops.PadV2(
+            input=op.inputs[0], paddings=op.inputs[1], constant_values=op.inputs[2]
+        )
+
+
 def binary_backward(x, w, dy, spec, attrs, skip=()):
     """(dX, dW), None where skipped. ``x`` may be the PackedInput kept instead
     of the input. Each backprop takes its own path (the dispatcher may split
@@ -155,7 +179,8 @@ def conv2d_grad(op, grad):
     if spec is None:
         return registry.original_gradient("Conv2D")(op, grad)
     skip = tuple(getattr(op, "skip_input_indices", None) or ())
-    return binary_backward(op.inputs[0], op.inputs[1], grad, spec, conv_attrs(op.get_attr), skip)
+    x = forward_input(op.inputs[0], [grad])
+    return binary_backward(x, op.inputs[1], grad, spec, conv_attrs(op.get_attr), skip)
 
 
 def binary_conv2d_affine_op_grad(op, grad):
@@ -179,7 +204,7 @@ def binary_conv2d_op_grad(op, grad):
     """Gradient of a TapehookBinaryConv2D graph op: the spec is in its attrs,
     the input's bits (binary activations) on the op when it was built here."""
     skip = tuple(getattr(op, "skip_input_indices", None) or ())
-    x = getattr(op, "_tapehook_packed_input", None) or op.inputs[0]
+    x = getattr(op, "_tapehook_packed_input", None) or forward_input(op.inputs[0], [grad])
     return binary_backward(
         x, op.inputs[1], grad, BinarySpec.from_op_attrs(op.get_attr), conv_attrs(op.get_attr), skip
     )

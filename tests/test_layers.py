@@ -601,6 +601,8 @@ RECOMPUTE_SPECS = {
     "mean_abs": dict(activations=True, scale="mean_abs"),  # packed ste_sign bits
     "approx_sign": dict(activations="approx_sign"),  # rebuilt from the kept x
     "one_padding": dict(activations=True, pad_value=1.0, clip=1.25),
+    # rebuilt from x padded again (gradient.forward_input), not a kept padded copy
+    "approx_one_padding": dict(activations="approx_sign", pad_value=1.0),
 }
 
 
@@ -717,7 +719,15 @@ def test_recompute_matches_kept_input(spec, activation, mode):
     )
     if graph is not None:
         types = [op.type for op in graph.get_operations()]
-        assert ("TapehookUnpackInput" in types) == (spec != "approx_sign")
+        continuous = spec.startswith("approx")
+        assert ("TapehookUnpackInput" in types) == (not continuous)
+        if spec == "approx_one_padding":
+            forward_pad, *backward_pads = [
+                op for op in graph.get_operations() if op.type == "PadV2"
+            ]
+            readers = [op.type for op in forward_pad.outputs[0].consumers()]
+            assert readers == ["TapehookBinaryConv2D"], readers
+            assert len(backward_pads) == 2  # the rerun conv's input, the backprops'
 
 
 def test_recompute_fit_and_config(tmp_path):

@@ -106,3 +106,39 @@ def test_conv2d_override_still_applies_with_binary_activations():
         with tapehook.override_gradient("Conv2D", ones_for_filter):
             y = tf.nn.conv2d(x, w, 1, "SAME")
     np.testing.assert_array_equal(tape.gradient(y, w), np.ones([3, 3, 2, 4]))
+
+
+@pytest.mark.parametrize("estimator", ["approx_sign", "swish_sign"])
+def test_one_padded_backward_keeps_the_unpadded_input(estimator):
+    """A continuous estimator's backward reads float x for e'(x). With
+    one-padding, x is a padded copy of the layer's input: the graph's
+    backward pads the input again instead of keeping the copy, and its
+    gradients still match the reference."""
+    x0, w0 = random_inputs((2, 6, 6, 3), (3, 3, 3, 4))
+    w = tapehook.mark_binary(
+        tf.Variable(w0), activations=estimator, scale="mean_abs", pad_value=1.0
+    )
+    g = upstream((2, 6, 6, 4), tf.float32)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(tf.nn.conv2d(x, w, 1, "SAME") * g)
+        return tape.gradient(loss, [x, w])
+
+    graph = step.get_concrete_function(tf.TensorSpec(x0.shape)).graph
+    pads = [op for op in graph.get_operations() if op.type in ("Pad", "PadV2")]
+    forward_pad = pads[0]
+    readers = {op.type for op in forward_pad.outputs[0].consumers()}
+    assert not any(t.startswith("TapehookBinaryConv2DBackprop") for t in readers), (
+        f"a backprop reads the padded copy of x: {sorted(readers)}"
+    )
+    backprops = [
+        op for op in graph.get_operations() if op.type.startswith("TapehookBinaryConv2DBackprop")
+    ]
+    assert len(backprops) == 2 and all(op.inputs[0].op.type == "PadV2" for op in backprops)
+    dx, dw = step(x0)
+    _, rdx, rdw = reference_result(x0, w0, tapehook.binary_spec_of(w), g)
+    assert_close(dx, rdx, what=f"dX, {estimator}, one-padded")
+    assert_close(dw, rdw, what=f"dW, {estimator}, one-padded")
