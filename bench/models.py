@@ -525,14 +525,18 @@ def child(cfg):
     inputs = tf.data.Dataset.from_tensors(x).repeat()
 
     if cfg.get("tensor_memory"):
-        # Peak bytes of TF tensors during one fit step, past what the model,
-        # its optimizer state and the data already hold (after two steps).
+        # Peak bytes of TF tensors during a fit step, past what the model,
+        # its optimizer state and the data already hold (after two steps),
+        # for each of ``tensor_steps`` steps: the executor's op order, so the
+        # peak, changes from step to step (by up to 30 % at batch 32).
         net.fit(data, steps_per_epoch=2, epochs=1, verbose=0)
-        tf.config.experimental.reset_memory_stats("CPU:0")
-        before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-        net.fit(data, steps_per_epoch=1, epochs=1, verbose=0)
-        peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-        print(json.dumps({**cfg, "tensor_peak_bytes": peak - before}))
+        peaks = []
+        for _ in range(cfg.get("tensor_steps", 1)):
+            tf.config.experimental.reset_memory_stats("CPU:0")
+            before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+            net.fit(data, steps_per_epoch=1, epochs=1, verbose=0)
+            peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] - before)
+        print(json.dumps({**cfg, "tensor_peak_bytes": max(peaks), "tensor_step_peaks": peaks}))
         return
 
     class Timer(K.callbacks.Callback):
@@ -747,30 +751,31 @@ def attach_tensor_memory(rows, tensor_runs):
     for r in tensor_runs:
         if "error" not in r:
             key = (r["model"], r["size"], r["impl"], r["estimator"])
-            by.setdefault(key, {}).setdefault(r["batch"], []).append(r["tensor_peak_bytes"])
-    per_sample = {}
+            steps = r.get("tensor_step_peaks", [r["tensor_peak_bytes"]])
+            by.setdefault(key, {}).setdefault(r["batch"], []).extend(steps)
+    # median: a typical step (median over steps and runs); max: the largest
+    # step, what a training run has to provide for.
+    per_sample = {"": {}, "_max": {}}
     for key, batches in by.items():
         big = max(batches)
         if big > 1 and 1 in batches:
-            per_sample[key] = (statistics.median(batches[big]) - statistics.median(batches[1])) / (
-                big - 1
-            )
+            for suffix, stat in (("", statistics.median), ("_max", max)):
+                per_sample[suffix][key] = (stat(batches[big]) - stat(batches[1])) / (big - 1)
     for row in rows:
         key = (row["model"], row["size"], row["impl"], row["estimator"])
-        if row["batch"] > 1 and key in per_sample:
-            row["tensor_peak_bytes_per_sample"] = per_sample[key]
-            ref = per_sample.get((row["model"], row["size"], "larq-style", row["estimator"]))
-            if row["impl"] in FLOAT_IMPLS:  # against larq-style with the model's own estimator
-                ref = per_sample.get(
-                    (
-                        row["model"],
-                        row["size"],
-                        "larq-style",
-                        RECIPES[row["model"]]["estimators"][0],
-                    )
-                )
+        for suffix, values in per_sample.items():
+            if row["batch"] == 1 or key not in values:
+                continue
+            row[f"tensor_peak{suffix}_bytes_per_sample"] = values[key]
+            # float rows: against larq-style with the model's own estimator
+            estimator = (
+                RECIPES[row["model"]]["estimators"][0]
+                if row["impl"] in FLOAT_IMPLS
+                else row["estimator"]
+            )
+            ref = values.get((row["model"], row["size"], "larq-style", estimator))
             if ref and row["impl"] != "larq-style":
-                row["tensor_peak_x_lower_than_larq_style"] = ref / per_sample[key]
+                row[f"tensor_peak{suffix}_x_lower_than_larq_style"] = ref / values[key]
     return rows
 
 
@@ -835,12 +840,14 @@ def markdown(result):
         "train x float-fused (med) | "
         "predict img/s best / median | predict x larq-style (min / med) | "
         "peak MiB/sample | memory x lower than larq-style | "
-        "tensor peak MiB/sample | tensor peak x lower than larq-style |",
-        "|" + "---|" * 16,
+        "tensor peak MiB/sample | tensor peak x lower than larq-style | "
+        "largest step's tensor peak MiB/sample | x lower than larq-style's |",
+        "|" + "---|" * 18,
     ]
     for r in result["rows"]:
         mem = r.get("peak_bytes_per_sample_median")
         tensor = r.get("tensor_peak_bytes_per_sample")
+        largest = r.get("tensor_peak_max_bytes_per_sample")
         lines.append(
             f"| {r['model']} | {r['size']} | {r['batch']} | {r['impl']} | {r['estimator'] or '-'} "
             f"| {f(r['train_img_s_best'])} / {f(r['train_img_s_median'])} "
@@ -855,7 +862,9 @@ def markdown(result):
             f"| {f(mem / 2**20 if mem else None, '.2f')} "
             f"| {f(r.get('peak_per_sample_x_lower_than_larq_style'), '.2f')} "
             f"| {f(tensor / 2**20 if tensor else None, '.2f')} "
-            f"| {f(r.get('tensor_peak_x_lower_than_larq_style'), '.2f')} |"
+            f"| {f(r.get('tensor_peak_x_lower_than_larq_style'), '.2f')} "
+            f"| {f(largest / 2**20 if largest else None, '.2f')} "
+            f"| {f(r.get('tensor_peak_max_x_lower_than_larq_style'), '.2f')} |"
         )
     predicts = []
     for p in result.get("profiles", []):
@@ -967,14 +976,27 @@ def main():
         "--tensor-repeats",
         type=int,
         default=1,
-        help="tensor-peak runs per configuration and batch (their median counts: the peak "
-        "moves with the executor's op order)",
+        help="tensor-peak runs per configuration and batch (the peak moves with the "
+        "executor's op order)",
+    )
+    parser.add_argument(
+        "--tensor-steps",
+        type=int,
+        default=5,
+        help="fit steps measured per tensor-peak run: the table has the median step "
+        "(over steps and runs) and the largest",
     )
     parser.add_argument("--out", default=str(RESULTS / "models.json"))
     parser.add_argument(
         "--append",
         action="store_true",
         help="add this run's rounds to --out's runs (e.g. 224 px after 112)",
+    )
+    parser.add_argument(
+        "--tensor-only",
+        action="store_true",
+        help="only the tensor-peak runs; --out keeps its timing rounds and profiles, "
+        "and its tensor-peak runs are replaced by these",
     )
     parser.add_argument(
         "--markdown", action="store_true", help="print --out's tables as Markdown and exit"
@@ -988,7 +1010,7 @@ def main():
     quick = args.quick
     sizes = [int(s) for s in (args.sizes or ("112" if quick else "112,224")).split(",")]
     batches = [int(b) for b in args.batches.split(",")]
-    rounds = args.rounds or (1 if quick else 3)
+    rounds = 0 if args.tensor_only else args.rounds or (1 if quick else 3)
     estimators = args.estimators or ("own" if quick else "all")
     lq_python = larq_python(args.larq_python)
     impls = [i for i in args.impls.split(",") if i != "larq" or lq_python]
@@ -1020,11 +1042,13 @@ def main():
         "larq_python": lq_python,
         "quick": quick,
         "rounds": rounds,
+        "tensor_repeats": args.tensor_repeats,
+        "tensor_steps": args.tensor_steps,
         "onednn": onednn_setting(),
         "dispatch": os.environ.get("TAPEHOOK_DISPATCH", "auto"),
     }
     runs = []
-    if not args.profile_only:
+    if not (args.profile_only or args.tensor_only):
         for rnd in range(rounds):
             for gi, (model, size, batch, configs) in enumerate(groups):
                 order = configs if (rnd + gi) % 2 == 0 else configs[::-1]
@@ -1067,6 +1091,7 @@ def main():
                         size=size,
                         batch=batch,
                         tensor_memory=True,
+                        tensor_steps=args.tensor_steps,
                         round=f"{meta['started']}/tensor",
                     )
                     r = run_reported(cfg, lq_python)
@@ -1078,7 +1103,7 @@ def main():
                             flush=True,
                         )
     profiles = []
-    if not args.no_profile:
+    if not (args.no_profile or args.tensor_only):
         for est in args.profile_estimators.split(","):
             cfg = dict(
                 model="birealnet18",
@@ -1122,6 +1147,10 @@ def main():
         sessions = previous.get("sessions", []) + sessions
         profiles = profiles or previous.get("profiles", [])
         tensor_runs = previous.get("tensor_memory", []) + tensor_runs
+    if args.tensor_only and previous:
+        runs = previous.get("runs", [])
+        sessions = previous.get("sessions", []) + sessions
+        profiles = previous.get("profiles", [])
     # Groups (model, size, batch) and their configurations, in run order.
     groups = {}
     for r in runs:

@@ -246,3 +246,55 @@ def test_saved_set_lists_tensors_of_run_time_size():
     assert {"FusedBatchNormV3", "SparseSoftmaxCrossEntropyWithLogits"} <= {
         t["producer"] for t in tensors
     }
+
+
+def test_tensor_peak_per_sample_takes_median_and_largest_step():
+    """attach_tensor_memory: per sample = (batch b - batch 1) / (b - 1), over
+    every measured step of every run (median: a typical step; max: the
+    largest), and larq-style's over it; a float row against larq-style with
+    the model's own estimator."""
+    mib = 2**20
+
+    def run(impl, estimator, batch, steps):
+        return dict(
+            model="birealnet18",
+            size=112,
+            impl=impl,
+            estimator=estimator,
+            batch=batch,
+            tensor_peak_bytes=max(steps) * mib,
+            tensor_step_peaks=[s * mib for s in steps],
+        )
+
+    runs = [
+        run("larq-style", "approx_sign", 1, [10, 10]),
+        run("larq-style", "approx_sign", 5, [50, 54]),
+        run("larq-style", "approx_sign", 5, [58]),  # median 54, max 58
+        run("tapehook-recompute", "approx_sign", 1, [2, 4, 3]),  # median 3, max 4
+        run("tapehook-recompute", "approx_sign", 5, [11, 19, 15]),  # median 15, max 19
+        run("float-fused", None, 1, [1]),
+        run("float-fused", None, 5, [23]),
+        run("larq-style", "ste_sign", 1, [0]),
+        run("larq-style", "ste_sign", 5, [400]),
+    ]
+    rows = [
+        dict(model="birealnet18", size=112, impl=impl, estimator=est, batch=batch)
+        for impl, est in [
+            ("larq-style", "approx_sign"),
+            ("tapehook-recompute", "approx_sign"),
+            ("float-fused", None),
+        ]
+        for batch in (1, 5)
+    ]
+    bench_models.attach_tensor_memory(rows, runs)
+    got = {(r["impl"], r["batch"]): r for r in rows}
+    assert "tensor_peak_bytes_per_sample" not in got["tapehook-recompute", 1]
+    ours, larq_style = got["tapehook-recompute", 5], got["larq-style", 5]
+    assert larq_style["tensor_peak_bytes_per_sample"] == 11 * mib
+    assert larq_style["tensor_peak_max_bytes_per_sample"] == 12 * mib
+    assert "tensor_peak_x_lower_than_larq_style" not in larq_style
+    assert ours["tensor_peak_bytes_per_sample"] == 3 * mib
+    assert ours["tensor_peak_max_bytes_per_sample"] == 3.75 * mib
+    assert ours["tensor_peak_x_lower_than_larq_style"] == pytest.approx(11 / 3)
+    assert ours["tensor_peak_max_x_lower_than_larq_style"] == pytest.approx(12 / 3.75)
+    assert got["float-fused", 5]["tensor_peak_x_lower_than_larq_style"] == pytest.approx(11 / 5.5)
