@@ -298,3 +298,26 @@ def test_tensor_peak_per_sample_takes_median_and_largest_step():
     assert ours["tensor_peak_x_lower_than_larq_style"] == pytest.approx(11 / 3)
     assert ours["tensor_peak_max_x_lower_than_larq_style"] == pytest.approx(12 / 3.75)
     assert got["float-fused", 5]["tensor_peak_x_lower_than_larq_style"] == pytest.approx(11 / 5.5)
+
+
+def test_peak_tensors_replay_counts_requested_and_chunk_bytes():
+    """bench/peak_tensors.py's replay: both peaks past the start of the step
+    (a tensor freed that was allocated before it lowers the running sum by
+    its own bytes), and the tensors alive at the requested peak."""
+    spec = importlib.util.spec_from_file_location("bench_peaks", _PATH.parent / "peak_tensors.py")
+    peaks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peaks)
+    # (time, +1 / -1, requested, chunk, address, op, shape)
+    events = [
+        (0, 1, 100, 200, 1, "a", "[100]"),  # requested 100, chunks 200
+        (1, 1, 50, 50, 2, "b", "[50]"),  # 150, 250
+        (2, -1, 0, 30, 9, "", ""),  # freed, allocated before the step: 120, 220
+        (3, -1, 0, 200, 1, "", ""),  # a freed: 20, 20
+        (4, 1, 400, 410, 3, "c", "[400]"),  # 420, 430
+        (5, 1, 10, 90, 4, "d", "[10]"),  # 430, 520
+        (6, -1, 0, 410, 3, "", ""),  # 30, 110
+    ]
+    requested, chunks, alive = peaks.replay(events)
+    assert requested == 430
+    assert chunks == 520
+    assert sorted(alive) == [(10, 90, "d", "[10]"), (50, 50, "b", "[50]"), (400, 410, "c", "[400]")]
