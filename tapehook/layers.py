@@ -336,6 +336,17 @@ class BatchNormalization(keras.layers.BatchNormalization):
                 # What FusedBatchNormV3's registered gradient computes, on the
                 # rebuilt input (equal to x bit for bit).
                 x2 = rebuild([d_out])
+                library = kernels.library()
+                if library is not None and not tf.config.list_logical_devices("GPU"):
+                    # tapehook's kernel writes dx over d_out and does the
+                    # ReLU (and its backward) itself: the step holds two
+                    # full-size tensors here, not four.
+                    rows = tf.cast(tf.size(x2, out_type=tf.int64) // x2.shape[-1], tf.float32)
+                    biased = variance * tf.math.divide_no_nan(rows - 1.0, rows)
+                    dx, dgamma, dbeta = library.tapehook_batch_norm_grad(
+                        d_out, x2, gamma, mean, tf.math.rsqrt(biased + epsilon), relu=relu
+                    )
+                    return dx, dgamma, dbeta
                 if relu:
                     x2 = tf.nn.relu(x2)
                 dx, dgamma, dbeta, _, _ = tf.raw_ops.FusedBatchNormGradV3(

@@ -662,7 +662,8 @@ def _backward_reads_forward_conv_output(graph, conv="TapehookBinaryConv2D"):
 
 def _batch_norm_inputs(net):
     """In one tf.gradients graph of a training call: the forward batch norm's
-    input and the one its backward (FusedBatchNormGradV3) reads."""
+    input and the one its backward reads (tapehook's TapehookBatchNormGrad,
+    which applies a fused ReLU itself, or FusedBatchNormGradV3)."""
 
     @tf.function
     def step(x):
@@ -670,9 +671,14 @@ def _batch_norm_inputs(net):
         tf.gradients(tf.reduce_sum(y * y), net.trainable_variables)
         ops = tf.compat.v1.get_default_graph().get_operations()
         forward = [op for op in ops if op.type == "FusedBatchNormV3"]
-        backward = [op for op in ops if op.type == "FusedBatchNormGradV3"]
+        backward = [
+            op for op in ops if op.type in ("TapehookBatchNormGrad", "FusedBatchNormGradV3")
+        ]
         assert len(forward) == len(backward) == 1
-        return forward[0].inputs[0], backward[0].inputs[1]
+        rebuilt = backward[0].inputs[1]
+        if backward[0].type == "TapehookBatchNormGrad" and backward[0].get_attr("relu"):
+            rebuilt = tf.nn.relu(rebuilt)
+        return forward[0].inputs[0], rebuilt
 
     return [t.numpy() for t in step(_inputs((3, *net.inputs[0].shape[1:])))]
 
@@ -689,7 +695,11 @@ def _check_recompute(build, mode, conv):
     keras_bn, _ = _training_step(build(False, keras.layers.BatchNormalization), mode)
     assert len(got) == len(kept) == len(keras_bn)
     for a, b, c in zip(got, kept, keras_bn):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+        # recompute=True runs tapehook's batch-norm gradient (summed in
+        # another order than FusedBatchNormGradV3: tests/test_batch_norm_grad.py
+        # holds it to float64), so a gradient that is zero but for rounding
+        # (a conv bias before a batch norm) differs by rounding.
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-3)
         np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-3)
     if mode == "eager":
         np.testing.assert_array_equal(got[0], kept[0])
