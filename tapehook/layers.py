@@ -340,7 +340,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
                 if library is not None and not tf.config.list_logical_devices("GPU"):
                     # tapehook's kernel writes dx over d_out and does the
                     # ReLU (and its backward) itself: the step holds two
-                    # full-size tensors here, not four.
+                    # full-size tensors here, not three or four (core/batch_norm.h).
                     rows = tf.cast(tf.size(x2, out_type=tf.int64) // x2.shape[-1], tf.float32)
                     biased = variance * tf.math.divide_no_nan(rows - 1.0, rows)
                     dx, dgamma, dbeta = library.tapehook_batch_norm_grad(
