@@ -429,13 +429,8 @@ def op_type_breakdown(logdir, top=25):
     """Self time per TF op type (and per layer kind) on the host threads of a
     profile (the *.xplane.pb that tf.profiler.experimental writes)."""
     import collections
-    import glob
 
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-
-    files = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True))
-    space = xplane_pb2.XSpace()
-    space.ParseFromString(pathlib.Path(files[-1]).read_bytes())
+    space = load_xspace(logdir)
     self_ps, count, by_kind = collections.Counter(), collections.Counter(), collections.Counter()
     for plane in space.planes:
         if not plane.name.startswith("/host:CPU"):
@@ -491,6 +486,42 @@ def op_type_breakdown(logdir, top=25):
     }
 
 
+def compiled_model(K, cfg):
+    """(model, x, y): the configuration's model compiled as every run trains
+    it (Adam 1e-3, tapehook's for the -fused ones; sparse cross-entropy) and
+    its synthetic batch, seed 0."""
+    import numpy as np
+
+    impl, size, batch = cfg["impl"], cfg["size"], cfg["batch"]
+    K.utils.set_random_seed(0)
+    net = build(K, cfg["model"], impl, cfg["estimator"], size)
+    compile_kwargs = {} if impl == "larq" else {"jit_compile": False}
+    if impl in FUSED_IMPLS:
+        import tapehook
+
+        adam = tapehook.optimizers.Adam
+    else:
+        adam = K.optimizers.Adam
+    net.compile(adam(1e-3), "sparse_categorical_crossentropy", **compile_kwargs)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, size, size, 3), dtype=np.float32)
+    y = rng.integers(0, CLASSES, (batch,))
+    return net, x, y
+
+
+def load_xspace(logdir):
+    """The newest profile (*.xplane.pb, as tf.profiler.experimental writes
+    it) under ``logdir``, parsed."""
+    import glob
+
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    files = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True))
+    space = xplane_pb2.XSpace()
+    space.ParseFromString(pathlib.Path(files[-1]).read_bytes())
+    return space
+
+
 def child(cfg):
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
     if cfg.get("tensor_memory"):
@@ -502,7 +533,6 @@ def child(cfg):
         os.environ["TF_USE_LEGACY_KERAS"] = "1"
     import resource
 
-    import numpy as np
     import tensorflow as tf
 
     if impl == "larq":
@@ -512,15 +542,8 @@ def child(cfg):
     if impl in TAPEHOOK_IMPLS + FUSED_IMPLS:
         import tapehook
 
-    model, size, batch = cfg["model"], cfg["size"], cfg["batch"]
-    K.utils.set_random_seed(0)
-    net = build(K, model, impl, cfg["estimator"], size)
-    compile_kwargs = {} if impl == "larq" else {"jit_compile": False}
-    adam = tapehook.optimizers.Adam if impl in FUSED_IMPLS else K.optimizers.Adam
-    net.compile(adam(1e-3), "sparse_categorical_crossentropy", **compile_kwargs)
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((batch, size, size, 3), dtype=np.float32)
-    y = rng.integers(0, CLASSES, (batch,))
+    batch = cfg["batch"]
+    net, x, y = compiled_model(K, cfg)
     data = tf.data.Dataset.from_tensors((x, y)).repeat()
     inputs = tf.data.Dataset.from_tensors(x).repeat()
 

@@ -28,7 +28,6 @@ Per sample: batch b minus batch 1, over b - 1.
 
 import argparse
 import collections
-import glob
 import json
 import os
 import pathlib
@@ -48,13 +47,8 @@ RESULTS = HERE / "results" / "peak_tensors.json"
 def allocation_events(logdir):
     """[(time_ps, +1 / -1, requested_bytes, chunk_bytes, address, op, shape)] of
     the CPU allocator's events in a profile, in time order."""
-    from tensorflow.tsl.profiler.protobuf import xplane_pb2
-
-    space = xplane_pb2.XSpace()
-    path = sorted(glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True))[-1]
-    space.ParseFromString(pathlib.Path(path).read_bytes())
     events = []
-    for plane in space.planes:
+    for plane in models.load_xspace(logdir).planes:
         names = {k: m.name for k, m in plane.event_metadata.items()}
         stat_names = {k: m.name for k, m in plane.stat_metadata.items()}
         for line in plane.lines:
@@ -106,19 +100,9 @@ def child(cfg):
     os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
     import keras as K
-    import numpy as np
     import tensorflow as tf
 
-    import tapehook
-
-    model, impl, size, batch = cfg["model"], cfg["impl"], cfg["size"], cfg["batch"]
-    K.utils.set_random_seed(0)
-    net = models.build(K, model, impl, cfg["estimator"], size)
-    adam = tapehook.optimizers.Adam if impl in models.FUSED_IMPLS else K.optimizers.Adam
-    net.compile(adam(1e-3), "sparse_categorical_crossentropy", jit_compile=False)
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((batch, size, size, 3), dtype=np.float32)
-    y = rng.integers(0, models.CLASSES, (batch,))
+    net, x, y = models.compiled_model(K, cfg)
     data = tf.data.Dataset.from_tensors((x, y)).repeat()
     net.fit(data, steps_per_epoch=2, epochs=1, verbose=0)
     steps = []
