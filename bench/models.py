@@ -27,7 +27,9 @@ tests/test_bench_models.py checks the parameter counts agree):
   recompute=True)`` and ``MaxPooling2D(fuse_relu=True)``: the step keeps no
   conv's float output for its batch norm (it rebuilds them in the backward)
   and a pool that is a ReLU's only reader does that ReLU's backward;
-  ``tapehook-recompute-f16``: the same with ``TAPEHOOK_PACK_INPUTS=float16``;
+  ``tapehook-recompute-f16`` / ``tapehook-recompute-x``: the same with
+  ``TAPEHOOK_PACK_INPUTS=float16`` / ``float32`` (approx_sign inputs kept as
+  binary16 e'(x) / as x instead of the default 16-bit fixed-point e'(x));
 - ``larq``: ``lq.layers.QuantConv2D`` on tf-keras (TF_USE_LEGACY_KERAS=1), run
   with the python of a side environment (``--larq-python``; skipped when absent).
 
@@ -79,6 +81,7 @@ IMPLS = (
     "tapehook-fused",
     "tapehook-recompute",
     "tapehook-recompute-f16",
+    "tapehook-recompute-x",
     "larq",
 )
 # "-fused": the model's batch norms tapehook.layers.BatchNormalization, its max
@@ -88,9 +91,11 @@ IMPLS = (
 # with BatchNormalization(recompute=True) (the convs' outputs rebuilt in the
 # backward instead of kept) and MaxPooling2D(fuse_relu=True) (a ReLU's
 # backward done by the pool that is its only reader).
-# "tapehook-recompute-f16": tapehook-recompute with TAPEHOOK_PACK_INPUTS=float16
-# (approx_sign inputs kept as sign bits + binary16 e'(x); ste_sign as before).
-RECOMPUTE_IMPLS = ("tapehook-recompute", "tapehook-recompute-f16")
+# "tapehook-recompute-f16" / "-x": tapehook-recompute with TAPEHOOK_PACK_INPUTS=
+# float16 / float32 (approx_sign inputs kept as sign bits + binary16 e'(x) / as
+# float x, instead of sign bits + fixed-point e'(x); ste_sign as before).
+PACK_SETTINGS = {"tapehook-recompute-f16": "float16", "tapehook-recompute-x": "float32"}
+RECOMPUTE_IMPLS = ("tapehook-recompute", *PACK_SETTINGS)
 FUSED_IMPLS = ("float-fused", "tapehook-fused", *RECOMPUTE_IMPLS)
 TAPEHOOK_IMPLS = ("tapehook", "tapehook-fused", *RECOMPUTE_IMPLS)
 FLOAT_IMPLS = ("float", "float-fused")
@@ -386,9 +391,7 @@ def build(K, model, impl, estimator, size, **kwargs):
 
         # Each binary conv's forward reads it (traced after this): set per
         # implementation, so configurations built in one process differ only so.
-        os.environ["TAPEHOOK_PACK_INPUTS"] = (
-            "float16" if impl == "tapehook-recompute-f16" else _PACK_INPUTS
-        )
+        os.environ["TAPEHOOK_PACK_INPUTS"] = PACK_SETTINGS.get(impl, _PACK_INPUTS)
 
         tapehook.binarize(net, include="binary*", **tapehook_spec(model, estimator))
     return net

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from tapehook import counts, dispatch, kernels, reference, registry
 from tapehook.errors import TapehookError
-from tapehook.packing import NO_MASK, PackedInput
+from tapehook.packing import NO_MASK, PackedInput, scale_by_derivative
 from tapehook.spec import BinarySpec
 
 FORWARD_SPEC_ATTR = "_tapehook_forward_spec"  # on the filter tensor a tape records
@@ -88,15 +88,15 @@ def _kernel_backprop(op, plan, x, w, dy, spec, attrs):
         return getattr(_library(), from_x)(x, w, dy, **common)
     if x.derivative is None:
         return getattr(_library(), from_bits)(x.packed, w, dy, **common, channels=x.channels)
-    # A continuous estimator's bits (packing.py, TAPEHOOK_PACK_INPUTS=float16):
-    # sign bits under all-ones masks, which the packed ops read as ste_sign
-    # without a clip; dX_hat is then scaled by the kept float16 e'(x).
+    # A continuous estimator's bits (packing.py): sign bits under all-ones
+    # masks, which the packed ops read as ste_sign without a clip; dX_hat is
+    # then scaled by the kept 16-bit e'(x).
     common["activation_estimator"] = "ste_sign"
     if op == "backprop_input":
         common.update(NO_MASK)
     grad = getattr(_library(), from_bits)(x.packed, w, dy, **common, channels=x.channels)
     if op == "backprop_input":
-        grad = _library().tapehook_scale_by_half(grad, x.derivative)
+        grad = scale_by_derivative(grad, x)
     return grad
 
 

@@ -5,22 +5,32 @@ With the ``ste_sign`` input estimator the gradient needs sign(x) (for dW) and
 byte along the channel axis by tapehook's TapehookPackInput kernel
 (cc_kernels/core/pack_input.h), 16x smaller than float32.
 
-``approx_sign`` and ``swish_sign`` have a continuous e'(x): matching the
-reference math needs it at the input's precision, which costs as much as x
-itself, so by default convs with those input estimators keep x.
+``approx_sign`` and ``swish_sign`` have a continuous e'(x). For a float32
+input the backward keeps the sign bits (masks all ones) and e'(x) itself,
+computed in the forward, in 16 bits (18 bits per element instead of 32):
+dW is exact (it reads only sign(x)) and dX is dX_hat * e'(x).
 
 ``TAPEHOOK_PACK_INPUTS`` chooses (read at each conv's forward):
 
-- ``1`` (default): ste_sign inputs as bits, the others as x;
+- ``1`` (default): ste_sign inputs as bits; approx_sign / swish_sign inputs
+  of float32 as bits plus e'(x) in 16-bit fixed point over the derivative's
+  range (``TapehookEstimatorGradFixed``): e' off by at most 1.53e-5
+  (approx_sign, e' in [0, 2]) or 4.1e-5 (swish_sign, e' in [-0.37, 5]) in
+  absolute terms, so dX by at most that times |dX_hat| (the gradient
+  reaching the sign): about the float32 tolerance the tests hold the
+  reference to (2e-5 of a tensor's scale), more than it relative to dX's own
+  scale only where every e'(x) is small; 32x finer than binary16 near
+  e' = 2. On machines
+  with a GPU (the fixed-point ops are CPU kernels) and for other dtypes
+  (half / bfloat16 x is no larger; float64's e'(x) would lose most of its bits),
+  those inputs keep x;
+- ``float32``: approx_sign / swish_sign inputs keep x, so dX is the
+  reference's float32 math (ste_sign inputs still as bits);
 - ``0``: x everywhere: the packing costs a pass over x in the forward and an
   unpack in the backward (docs/performance.md);
-- ``float16``: also approx_sign / swish_sign inputs of float32 as bits
-  (sign only: their masks are all ones) plus e'(x) rounded to binary16 (to
-  nearest even), computed in the forward: 18 bits per element instead of 32.
-  dW is exact (it reads only sign(x)); dX is dX_hat * e'(x) with e'(x)
-  off by at most 2^-11 relative (2^-25 absolute below 2^-14): a precision
-  trade, not the reference's float32 math. Inputs of other dtypes keep x
-  (half / bfloat16 x is no larger; float64's e'(x) would lose 42 bits).
+- ``float16``: approx_sign / swish_sign inputs of float32 as bits plus e'(x)
+  rounded to binary16 (to nearest even), also where a GPU is present: e'(x)
+  off by at most 2^-11 relative (2^-25 absolute below 2^-14).
 """
 
 import dataclasses
@@ -43,9 +53,11 @@ class PackedInput:
     packed: tf.Tensor  # uint8 [..., ceil(channels / 4)]
     channels: int
     dtype: tf.DType
-    # e'(x) in float16 for a continuous estimator (TAPEHOOK_PACK_INPUTS=
-    # float16); None for ste_sign, whose e'(x) is the mask bits.
+    # e'(x) of a continuous estimator: uint16 fixed point (the default) or
+    # float16 (TAPEHOOK_PACK_INPUTS=float16); None for ste_sign, whose e'(x)
+    # is the mask bits.
     derivative: tf.Tensor | None = None
+    estimator: str | None = None
 
     @property
     def shape(self) -> tf.TensorShape:
@@ -54,16 +66,28 @@ class PackedInput:
 
     def unpack(self):
         """(sign(x) as +-1, e'(x)) in x's dtype: e'(x) is the ste_sign mask
-        1{|x| <= clip}, or the kept float16 derivative widened."""
-        x_hat, mask = kernels.library().tapehook_unpack_input(
+        1{|x| <= clip}, or the kept derivative as the kernels widen it."""
+        library = kernels.library()
+        x_hat, mask = library.tapehook_unpack_input(
             self.packed, channels=self.channels, T=self.dtype
         )
         if self.derivative is not None:
-            mask = tf.cast(self.derivative, self.dtype)
+            mask = scale_by_derivative(tf.ones_like(x_hat), self)
         return x_hat, mask
 
 
-MODES = ("1", "0", "float16")
+def scale_by_derivative(grad, packed: PackedInput):
+    """grad * the kept e'(x), on the kernels (which own the fixed point's
+    offset and step)."""
+    library = kernels.library()
+    if packed.derivative.dtype == tf.float16:
+        return library.tapehook_scale_by_half(grad, packed.derivative)
+    return library.tapehook_scale_by_fixed(
+        grad, packed.derivative, activation_estimator=packed.estimator
+    )
+
+
+MODES = ("1", "0", "float16", "float32")
 
 
 def mode() -> str:
@@ -79,11 +103,15 @@ def packable(x, spec) -> bool:
     chosen = mode()
     if spec.activation_estimator == "ste_sign":
         return chosen != "0"
-    return chosen == "float16" and x.dtype == tf.float32
+    if x.dtype != tf.float32:
+        return False
+    if chosen == "float16":
+        return True
+    return chosen == "1" and not tf.config.list_logical_devices("GPU")
 
 
 def pack_input(x, spec) -> PackedInput:
-    """The bits (and, for a continuous estimator, the float16 e'(x)) a binary
+    """The bits (and, for a continuous estimator, the 16-bit e'(x)) a binary
     conv's backward keeps of its input (compiled kernels)."""
     library = kernels.library()
     if spec.activation_estimator == "ste_sign":
@@ -92,7 +120,9 @@ def pack_input(x, spec) -> PackedInput:
     # Sign bits with masks of all ones (no clip): the packed backprops then
     # give dX_hat, which the backward scales by the kept e'(x).
     packed = library.tapehook_pack_input(x, **NO_MASK)
-    derivative = library.tapehook_estimator_grad_half(
-        x, activation_estimator=spec.activation_estimator
-    )
-    return PackedInput(packed, int(x.shape[-1]), x.dtype, derivative)
+    estimator = spec.activation_estimator
+    if mode() == "float16":
+        derivative = library.tapehook_estimator_grad_half(x, activation_estimator=estimator)
+    else:
+        derivative = library.tapehook_estimator_grad_fixed(x, activation_estimator=estimator)
+    return PackedInput(packed, int(x.shape[-1]), x.dtype, derivative, estimator)

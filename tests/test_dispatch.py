@@ -96,7 +96,8 @@ def test_auto_routes_and_matches_reference(
         # (AMX CPUs have AVX-512)
         (False, (1, 10, 10, 3), (3, 3, 3, 4), NONE),
         (True, (1, 10, 10, 3), (3, 3, 3, 4), ONE),
-        # 7x7 images: a dW from float x (approx_sign keeps x, not bits) not on
+        # 7x7 images: a dW from float x (approx_sign under
+        # TAPEHOOK_PACK_INPUTS=float32 keeps x, not bits) not on
         # AMX but on the sign-table kernels; from packed bits (ste_sign) on AMX
         ("approx_sign", (4, 7, 7, 3), (3, 3, 3, 4), ONE),
         (True, (4, 7, 7, 3), (3, 3, 3, 4), ONE),
@@ -104,6 +105,7 @@ def test_auto_routes_and_matches_reference(
 )
 def test_auto_keeps_small_float_convs_off_amx(monkeypatch, activations, x_shape, w_shape, compiled):
     monkeypatch.setenv("TAPEHOOK_DISPATCH", "auto")
+    monkeypatch.setenv("TAPEHOOK_PACK_INPUTS", "float32" if activations == "approx_sign" else "1")
     if not tapehook.kernel_info()["cpu"].get("amx"):
         pytest.skip("this CPU (or build) has no AMX kernels")
     x, w0 = random_inputs(x_shape, w_shape)

@@ -690,16 +690,24 @@ def _check_recompute(build, mode, conv):
     the backward reads a rerun ``conv`` (not the forward's output) and, with
     tf.gradients, that the rebuilt input equals the kept one bit for bit.
     Returns the recompute graph (None eagerly)."""
-    got, graph = _training_step(build(True), mode)
+    net = build(True)
+    got, graph = _training_step(net, mode)
     kept, kept_graph = _training_step(build(False), mode)
     keras_bn, _ = _training_step(build(False, keras.layers.BatchNormalization), mode)
     assert len(got) == len(kept) == len(keras_bn)
-    for a, b, c in zip(got, kept, keras_bn):
-        # recompute=True runs tapehook's batch-norm gradient (summed in
-        # another order than FusedBatchNormGradV3: tests/test_batch_norm_grad.py
-        # holds it to float64), so a gradient that is zero but for rounding
-        # (a conv bias before a batch norm) differs by rounding.
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-3)
+    # got: output, dx, the trainable variables' gradients, moving statistics.
+    biases = {2 + i for i, v in enumerate(net.trainable_variables) if v.name.endswith("bias")}
+    for i, (a, b, c) in enumerate(zip(got, kept, keras_bn)):
+        if i in biases:
+            # A conv bias before a batch norm has gradient zero but for
+            # rounding, which depends on the summation order (tapehook's
+            # batch-norm gradient sums in another order than
+            # FusedBatchNormGradV3; tests/test_batch_norm_grad.py holds it to
+            # float64): each is zero to rounding, not equal to the others.
+            for grad in (a, b, c):
+                assert np.abs(grad).max() <= 1e-3, np.abs(grad).max()
+            continue
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-3)
     if mode == "eager":
         np.testing.assert_array_equal(got[0], kept[0])
@@ -716,12 +724,18 @@ def _check_recompute(build, mode, conv):
 
 @pytest.mark.parametrize("mode", ["eager", "function", "gradients"])
 @pytest.mark.parametrize("activation", [None, "relu", "bias"])
-@pytest.mark.parametrize("spec", list(RECOMPUTE_SPECS))
-def test_recompute_matches_kept_input(spec, activation, mode):
+@pytest.mark.parametrize(
+    "spec, pack",
+    [(spec, "1") for spec in RECOMPUTE_SPECS]
+    + [(spec, "float32") for spec in RECOMPUTE_SPECS if spec.startswith("approx")],
+)
+def test_recompute_matches_kept_input(monkeypatch, spec, pack, activation, mode):
     """The backward reads a rebuilt conv output (not the forward's) equal to
     it bit for bit; outputs, gradients and moving statistics those of
     recompute=False (to the graph's own float reordering) and of Keras's
-    batch norm (to float rounding)."""
+    batch norm (to float rounding). The rebuild reads the kept sign bits, or
+    (approx_sign under TAPEHOOK_PACK_INPUTS=float32) the kept x."""
+    monkeypatch.setenv("TAPEHOOK_PACK_INPUTS", pack)
     graph = _check_recompute(
         lambda recompute, norm=None: _recompute_net(activation, spec, recompute, norm),
         mode,
@@ -729,15 +743,23 @@ def test_recompute_matches_kept_input(spec, activation, mode):
     )
     if graph is not None:
         types = [op.type for op in graph.get_operations()]
-        continuous = spec.startswith("approx")
-        assert ("TapehookUnpackInput" in types) == (not continuous)
+        keeps_x = pack == "float32"
+        assert ("TapehookUnpackInput" in types) == (not keeps_x)
         if spec == "approx_one_padding":
             forward_pad, *backward_pads = [
                 op for op in graph.get_operations() if op.type == "PadV2"
             ]
-            readers = [op.type for op in forward_pad.outputs[0].consumers()]
-            assert readers == ["TapehookBinaryConv2D"], readers
-            assert len(backward_pads) == 2  # the rerun conv's input, the backprops'
+            readers = sorted(op.type for op in forward_pad.outputs[0].consumers())
+            if keeps_x:
+                assert readers == ["TapehookBinaryConv2D"], readers
+                assert len(backward_pads) == 2  # the rerun conv's input, the backprops'
+            else:
+                assert readers == [
+                    "TapehookBinaryConv2D",
+                    "TapehookEstimatorGradFixed",
+                    "TapehookPackInput",
+                ], readers
+                assert not backward_pads
 
 
 def test_recompute_fit_and_config(tmp_path):

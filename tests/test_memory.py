@@ -109,11 +109,12 @@ def test_conv2d_override_still_applies_with_binary_activations():
 
 
 @pytest.mark.parametrize("estimator", ["approx_sign", "swish_sign"])
-def test_one_padded_backward_keeps_the_unpadded_input(estimator):
-    """A continuous estimator's backward reads float x for e'(x). With
-    one-padding, x is a padded copy of the layer's input: the graph's
-    backward pads the input again instead of keeping the copy, and its
-    gradients still match the reference."""
+def test_one_padded_backward_keeps_the_unpadded_input(monkeypatch, estimator):
+    """With TAPEHOOK_PACK_INPUTS=float32 a continuous estimator's backward
+    reads float x for e'(x). With one-padding, x is a padded copy of the
+    layer's input: the graph's backward pads the input again instead of
+    keeping the copy, and its gradients still match the reference."""
+    monkeypatch.setenv("TAPEHOOK_PACK_INPUTS", "float32")
     x0, w0 = random_inputs((2, 6, 6, 3), (3, 3, 3, 4))
     w = tapehook.mark_binary(
         tf.Variable(w0), activations=estimator, scale="mean_abs", pad_value=1.0

@@ -4,15 +4,13 @@ to binary16 instead of its float32 input. dW matches the reference; dX is
 the reference's dX_hat times the binary16-rounded e'(x), computed here from
 NumPy's own float16 rounding, in every execution mode and in Keras fit."""
 
-import os
-
-import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+import pack_models
 import tapehook
-from tapehook import kernels, reference
+from tapehook import kernels
 
 from conftest import (
     MODE_NAMES,
@@ -101,30 +99,11 @@ def test_the_ops_round_as_numpy_in_every_tier(tmp_path, tier):
         np.testing.assert_array_equal(out["scaled"], grad * halves)
 
 
-def _conv(x, w):
-    return tf.nn.conv2d(x, w, [1, 2, 1, 1] if x.shape[1] == 9 else 1, "SAME")
-
-
 def _reference(x, w0, spec, g, strides):
     """(dx with e'(x) rounded to binary16 as NumPy does, exact dx, exact dw)."""
-    x = tf.constant(x)
-    _, dx_exact, dw = [t.numpy() for t in _reference_result(x, w0, spec, g, strides)]
-    x_hat = reference.sign(x)
-    half = _expected_half(spec.activation_estimator, x.numpy()).astype(np.float32)
-    dx16, _ = reference.binary_conv2d_backward(
-        x_hat,
-        tf.constant(w0),
-        tf.constant(g),
-        spec,
-        strides,
-        "SAME",
-        [],
-        [1, 1, 1, 1],
-        need_dx=True,
-        need_dw=False,
-        input_mask=tf.constant(half),
-    )
-    return dx16.numpy(), dx_exact, dw
+    half = _expected_half(spec.activation_estimator, x).astype(np.float32)
+    dx_exact, dw, dx16 = pack_models.references(x, w0, spec, g, strides, [half])
+    return dx16, dx_exact, dw
 
 
 def _reference_result(x, w0, spec, g, strides):
@@ -141,7 +120,7 @@ def test_gradients_in_every_mode(float16_mode, mode, estimator, shape):
     x = tf.constant(x.numpy() * 0.7)  # most |x| < 1: e'(x) mostly nonzero
     spec = tapehook.BinarySpec(activations=estimator, scale="mean_abs")
     strides = [1, 2, 1, 1] if shape[1] == 9 else [1, 1, 1, 1]
-    y_shape = _conv(x, tf.constant(w0)).shape
+    y_shape = pack_models.conv(x, tf.constant(w0)).shape
     g = upstream(y_shape, tf.float32).numpy()
     tapehook.reset_dispatch_counts()
     _, dx, dw = run_mode(
@@ -149,7 +128,7 @@ def test_gradients_in_every_mode(float16_mode, mode, estimator, shape):
         x.numpy(),
         w0.numpy(),
         g,
-        _conv,
+        pack_models.conv,
         prepare=lambda w: tapehook.mark_binary(w, **spec.to_config()),
     )
     dx16, dx_exact, want_dw = _reference(x.numpy(), w0.numpy(), spec, g, strides)
@@ -189,7 +168,7 @@ def test_other_dtypes_keep_x_and_stay_exact(float16_mode):
         x,
         w0,
         g,
-        _conv,
+        pack_models.conv,
         prepare=lambda w: tapehook.mark_binary(w, **spec.to_config()),
         loss=lambda y, g: tf.reduce_sum(y * tf.cast(g, y.dtype)),
     )
@@ -201,57 +180,30 @@ def test_other_dtypes_keep_x_and_stay_exact(float16_mode):
 def test_an_unknown_setting_says_the_choices(monkeypatch):
     monkeypatch.setenv("TAPEHOOK_PACK_INPUTS", "fp16")
     w = tapehook.mark_binary(tf.Variable(tf.ones([3, 3, 2, 2])), activations="approx_sign")
-    with pytest.raises(tapehook.TapehookError, match=r"TAPEHOOK_PACK_INPUTS='fp16'.*float16"):
+    with pytest.raises(
+        tapehook.TapehookError, match=r"TAPEHOOK_PACK_INPUTS='fp16'.*float16.*float32"
+    ):
         with tf.GradientTape() as tape:
             x = tf.ones([1, 4, 4, 2])
             tape.watch(x)
             tf.nn.conv2d(x, w, 1, "SAME")
 
 
-def _data():
-    rng = np.random.default_rng(0)
-    return rng.normal(size=(16, 8, 8, 4)).astype(np.float32), rng.integers(0, 3, 16)
-
-
-def _compiled_model(pack_mode):
-    """A float stem, one approx_sign binary conv, a head; SGD. Sets
-    TAPEHOOK_PACK_INPUTS, which the binary conv reads when fit traces it."""
-    os.environ["TAPEHOOK_PACK_INPUTS"] = pack_mode
-    keras.utils.set_random_seed(3)
-    inputs = keras.Input((8, 8, 4))
-    h = keras.layers.Conv2D(8, 3, padding="same", name="float_stem")(inputs)
-    h = keras.layers.BatchNormalization()(h)
-    h = keras.layers.Conv2D(8, 3, padding="same", use_bias=False, name="binary1")(h)
-    h = keras.layers.BatchNormalization()(h)
-    h = keras.layers.GlobalAveragePooling2D()(h)
-    model = keras.Model(inputs, keras.layers.Dense(3)(h))
-    tapehook.binarize(model, include="binary*", activations="approx_sign", scale="mean_abs")
-    model.compile(
-        keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    )
-    return model
+_data = pack_models.data  # for tests/helpers/mirrored_fit.py
 
 
 def mirrored_variants():
-    """For tests/helpers/mirrored_fit.py: the model with each setting."""
-    return {mode: lambda mode=mode: _compiled_model(mode) for mode in ("1", "float16")}
-
-
-def _fit_weights(monkeypatch, pack_mode):
-    monkeypatch.setenv("TAPEHOOK_PACK_INPUTS", pack_mode)  # restored after the test
-    model = _compiled_model(pack_mode)
-    data, labels = _data()
-    history = model.fit(data, labels, batch_size=8, epochs=2, verbose=0, shuffle=False)
-    return history.history["loss"], [v.numpy() for v in model.trainable_variables]
+    """For tests/helpers/mirrored_fit.py."""
+    return pack_models.mirrored_variants(("float32", "float16"))
 
 
 def test_fit_trains_as_with_float32_inputs(monkeypatch):
     """Keras fit, 4 SGD steps: the trajectory stays within binary16's
     rounding of e'(x) of the float32 one (and the stem, the only layer below
     the binary conv, receives the rounded dX)."""
-    loss32, weights32 = _fit_weights(monkeypatch, "1")
+    loss32, weights32 = pack_models.fit_weights(monkeypatch, "float32")
     tapehook.reset_dispatch_counts()
-    loss16, weights16 = _fit_weights(monkeypatch, "float16")
+    loss16, weights16 = pack_models.fit_weights(monkeypatch, "float16")
     assert tapehook.dispatch_counts()["compiled"]["backprop_input"] >= 4
     np.testing.assert_allclose(loss16, loss32, rtol=1e-3)
     for a, b in zip(weights16, weights32):
@@ -264,18 +216,8 @@ def test_the_stock_route_widens_the_kept_derivative(float16_mode, monkeypatch, m
     """Where the dispatcher sends the backprops to stock ops (the forward on
     the kernels), they run the reference backward on the unpacked signs with
     the widened binary16 e'(x) as the mask: the same dX."""
-    from tapehook import dispatch
-
-    monkeypatch.setattr(dispatch, "backprop_path", lambda *a, **k: dispatch.STOCK)
-    x, w0 = random_inputs((2, 6, 6, 5), (3, 3, 5, 4))
+    x, w0, g, dx, dw = pack_models.stock_route_gradients(monkeypatch, mode)
     spec = tapehook.BinarySpec(activations="approx_sign")
-    g = upstream((2, 6, 6, 4), tf.float32).numpy()
-    tapehook.reset_dispatch_counts()
-    _, dx, dw = run_mode(
-        mode, x, w0, g, _conv, prepare=lambda w: tapehook.mark_binary(w, **spec.to_config())
-    )
-    counts = tapehook.dispatch_counts()
-    assert counts["reference"]["backprop_input"] == 1 and counts["compiled"]["forward"] == 1
     dx16, _, want_dw = _reference(x.numpy(), w0.numpy(), spec, g, [1, 1, 1, 1])
     np.testing.assert_allclose(dx, dx16, rtol=1e-5, atol=1e-6 * np.abs(dx16).max())
     assert_close(dw, want_dw, what="dW")
@@ -287,7 +229,7 @@ def test_mirrored_fit_trains_as_with_float32_inputs():
     the binary16 setting's weights within its rounding of the float32 ones,
     and not equal to them (the setting took effect in the replicas)."""
     out = fit_mirrored("test_pack_float16")
-    assert len(out["float16"]) == len(out["1"]) > 0
-    for a, b in zip(out["float16"], out["1"]):
+    assert len(out["float16"]) == len(out["float32"]) > 0
+    for a, b in zip(out["float16"], out["float32"]):
         np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
-    assert any(not np.array_equal(a, b) for a, b in zip(out["float16"], out["1"]))
+    assert any(not np.array_equal(a, b) for a, b in zip(out["float16"], out["float32"]))

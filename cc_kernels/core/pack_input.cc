@@ -349,6 +349,156 @@ void ScaleByHalf(const float* grad, const uint16_t* half, int64_t n, float* out,
   });
 }
 
+namespace {
+
+constexpr float kApproxQuantum = 32767.5f;  // 65535 / 2, exact in float32
+constexpr double kSwishBeta = 5.0;
+constexpr int32_t kSwishOffset = 4520;
+constexpr double kSwishSteps = 61015.0;  // per beta
+
+uint16_t ApproxFixed(float x) {
+  const float q = std::nearbyint(ApproxSignGrad(x) * kApproxQuantum);
+  return static_cast<uint16_t>(q);  // in [0, 65535]: e' in [0, 2]
+}
+
+uint16_t SwishFixed(float x) {
+  const double d = EstimatorGrad(Estimator::kSwishSign, x, 0.0);
+  if (!(d == d)) return kSwishOffset;
+  const double q =
+      std::nearbyint(d * (kSwishSteps / kSwishBeta)) + kSwishOffset;
+  return static_cast<uint16_t>(std::min(65535.0, std::max(0.0, q)));
+}
+
+// e' = (q - offset) * step: exact integers, one float32 rounding (the
+// vector loops compute it in the same order).
+float FixedValue(uint16_t q, FixedDerivative f) {
+  return static_cast<float>(int32_t{q} - f.offset) * f.step;
+}
+
+#if TAPEHOOK_HAVE_HALF_SIMD
+// approx_sign's q: e' as ApproxHalf512, times 32767.5, vcvtps2dq (to nearest
+// even under the default MXCSR), narrowed with unsigned saturation.
+__attribute__((target("avx512f"))) void ApproxFixed512(const float* x,
+                                                       int64_t n,
+                                                       uint16_t* out) {
+  const __m512i abs_bits = _mm512_set1_epi32(0x7FFFFFFF),
+                one = _mm512_set1_epi32(0x3F800000);
+  const __m512 two = _mm512_set1_ps(2.0f),
+               quantum = _mm512_set1_ps(kApproxQuantum);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i a = _mm512_and_si512(_mm512_loadu_si512(x + i), abs_bits);
+    const __m512 m = _mm512_castsi512_ps(_mm512_min_epi32(a, one));
+    const __m512 g = _mm512_fnmadd_ps(two, m, two);
+    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(g, quantum));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm512_cvtusepi32_epi16(q));
+  }
+  for (; i < n; ++i) out[i] = ApproxFixed(x[i]);
+}
+
+__attribute__((target("avx2,fma"))) void ApproxFixed256(const float* x,
+                                                        int64_t n,
+                                                        uint16_t* out) {
+  const __m256i abs_bits = _mm256_set1_epi32(0x7FFFFFFF),
+                one = _mm256_set1_epi32(0x3F800000);
+  const __m256 two = _mm256_set1_ps(2.0f),
+               quantum = _mm256_set1_ps(kApproxQuantum);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i a = _mm256_and_si256(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), abs_bits);
+    const __m256 m = _mm256_castsi256_ps(_mm256_min_epi32(a, one));
+    const __m256 g = _mm256_fnmadd_ps(two, m, two);
+    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(g, quantum));
+    // packus works per 128-bit lane: gather the two low quarters.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(q, q),
+                                                    _MM_SHUFFLE(3, 1, 2, 0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm256_castsi256_si128(packed));
+  }
+  for (; i < n; ++i) out[i] = ApproxFixed(x[i]);
+}
+
+__attribute__((target("avx512f"))) void ScaleFixed512(const float* grad,
+                                                      const uint16_t* q,
+                                                      int64_t n,
+                                                      FixedDerivative f,
+                                                      float* out) {
+  const __m512i offset = _mm512_set1_epi32(f.offset);
+  const __m512 step = _mm512_set1_ps(f.step);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i v = _mm512_sub_epi32(
+        _mm512_cvtepu16_epi32(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i))),
+        offset);
+    const __m512 d = _mm512_mul_ps(_mm512_cvtepi32_ps(v), step);
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(grad + i), d));
+  }
+  for (; i < n; ++i) out[i] = grad[i] * FixedValue(q[i], f);
+}
+
+__attribute__((target("avx2"))) void ScaleFixed256(const float* grad,
+                                                   const uint16_t* q, int64_t n,
+                                                   FixedDerivative f,
+                                                   float* out) {
+  const __m256i offset = _mm256_set1_epi32(f.offset);
+  const __m256 step = _mm256_set1_ps(f.step);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i v = _mm256_sub_epi32(
+        _mm256_cvtepu16_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i))),
+        offset);
+    const __m256 d = _mm256_mul_ps(_mm256_cvtepi32_ps(v), step);
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(grad + i), d));
+  }
+  for (; i < n; ++i) out[i] = grad[i] * FixedValue(q[i], f);
+}
+#endif
+
+}  // namespace
+
+FixedDerivative FixedDerivativeOf(Estimator estimator) {
+  if (estimator == Estimator::kSwishSign) {
+    return {kSwishOffset, static_cast<float>(kSwishBeta / kSwishSteps)};
+  }
+  return {0, static_cast<float>(2.0 / 65535.0)};
+}
+
+void EstimatorGradFixed(const float* x, int64_t n, Estimator estimator,
+                        uint16_t* q, const ParallelFor& parallel_for) {
+  // The vector loops compute approx_sign's q; swish_sign's is per element.
+  const bool approx = estimator == Estimator::kApproxSign;
+  const int tier = approx ? HalfTier() : 0;
+  ForHalfBlocks(n, parallel_for, [&](int64_t lo, int64_t hi) {
+#if TAPEHOOK_HAVE_HALF_SIMD
+    if (tier == 2) return ApproxFixed512(x + lo, hi - lo, q + lo);
+    if (tier == 1) return ApproxFixed256(x + lo, hi - lo, q + lo);
+#endif
+    for (int64_t i = lo; i < hi; ++i) {
+      q[i] = approx ? ApproxFixed(x[i]) : SwishFixed(x[i]);
+    }
+  });
+}
+
+void ScaleByFixed(const float* grad, const uint16_t* q, int64_t n,
+                  Estimator estimator, float* out,
+                  const ParallelFor& parallel_for) {
+  const FixedDerivative f = FixedDerivativeOf(estimator);
+  const int tier = HalfTier();
+  ForHalfBlocks(n, parallel_for, [&](int64_t lo, int64_t hi) {
+#if TAPEHOOK_HAVE_HALF_SIMD
+    if (tier == 2)
+      return ScaleFixed512(grad + lo, q + lo, hi - lo, f, out + lo);
+    if (tier == 1)
+      return ScaleFixed256(grad + lo, q + lo, hi - lo, f, out + lo);
+#endif
+    for (int64_t i = lo; i < hi; ++i) out[i] = grad[i] * FixedValue(q[i], f);
+  });
+}
+
 template void PackSignMask<float>(const float*, int64_t, int64_t, double,
                                   uint8_t*, const ParallelFor&);
 template void PackSignMask<double>(const double*, int64_t, int64_t, double,

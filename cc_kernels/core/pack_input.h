@@ -39,6 +39,30 @@ void EstimatorGradHalf(const float* x, int64_t n, Estimator estimator,
 void ScaleByHalf(const float* grad, const uint16_t* half, int64_t n, float* out,
                  const ParallelFor& parallel_for);
 
+// The default compact form of a continuous input estimator's e'(x) for a
+// float32 input (TAPEHOOK_PACK_INPUTS=1): 16-bit fixed point over the
+// derivative's whole range, e' = (q - offset) * step. approx_sign: e' in
+// [0, 2], offset 0, step 2 / 65535, q = round(e' * 32767.5) with e' and the
+// product in float32 (absolute error at most 2^-16 + 2^-24 e'); swish_sign
+// (beta 5): e' in [-0.0739 beta, beta], offset 4520, step beta / 61015, q
+// from the double e' (absolute error at most 4.1e-5 + 2^-24 |e'|). Where x is
+// NaN, e' = 0 (as approx_sign's float kernels give).
+struct FixedDerivative {
+  int32_t offset;
+  float step;
+};
+FixedDerivative FixedDerivativeOf(Estimator estimator);
+
+// q of n float32 values as above, rounded to nearest even.
+void EstimatorGradFixed(const float* x, int64_t n, Estimator estimator,
+                        uint16_t* q, const ParallelFor& parallel_for);
+
+// out = grad * ((q - offset) * step): e' as one float32 product, then one
+// float32 rounding of grad times it.
+void ScaleByFixed(const float* grad, const uint16_t* q, int64_t n,
+                  Estimator estimator, float* out,
+                  const ParallelFor& parallel_for);
+
 // Exact binary16 <-> float32 conversions, round to nearest even (NaN keeps
 // its sign and becomes the quiet NaN 0x7e00), one value at a time: the
 // reference the vector loops agree with bit for bit.

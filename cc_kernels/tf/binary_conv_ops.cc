@@ -6,6 +6,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "core/amx_conv.h"
@@ -543,9 +544,34 @@ REGISTER_OP("TapehookScaleByHalf")
     .SetShapeFn(shape_inference::UnchangedShape)
     .Doc("grad * derivative, the binary16 e'(x) widened exactly.");
 
-class EstimatorGradHalfOp : public OpKernel {
+REGISTER_OP("TapehookEstimatorGradFixed")
+    .Input("input: float")
+    .Output("derivative: uint16")
+    .Attr("activation_estimator: {'approx_sign', 'swish_sign'}")
+    .SetShapeFn(shape_inference::UnchangedShape)
+    .Doc(
+        "e'(x) of a continuous input estimator in 16-bit fixed point over its "
+        "range (core/pack_input.h, FixedDerivative): what a binary conv's "
+        "backward keeps of a float32 input beside its sign bits by default.");
+
+REGISTER_OP("TapehookScaleByFixed")
+    .Input("grad: float")
+    .Input("derivative: uint16")
+    .Output("output: float")
+    .Attr("activation_estimator: {'approx_sign', 'swish_sign'}")
+    .SetShapeFn(shape_inference::UnchangedShape)
+    .Doc("grad * e'(x), e'(x) from TapehookEstimatorGradFixed's fixed point.");
+
+// The two 16-bit forms of a continuous estimator's e'(x) (core/pack_input.h):
+// binary16 (an Eigen::half tensor) or, kFixed, fixed point (a uint16 tensor);
+// the core functions read either as uint16_t.
+template <bool kFixed>
+using Stored16 = std::conditional_t<kFixed, uint16_t, Eigen::half>;
+
+template <bool kFixed>
+class EstimatorGrad16Op : public OpKernel {
  public:
-  explicit EstimatorGradHalfOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit EstimatorGrad16Op(OpKernelConstruction* ctx) : OpKernel(ctx) {
     std::string name;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("activation_estimator", &name));
     OP_REQUIRES(ctx, ParseEstimator(name, &estimator_),
@@ -556,9 +582,10 @@ class EstimatorGradHalfOp : public OpKernel {
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &out));
     if (x.NumElements() == 0) return;
-    EstimatorGradHalf(
-        x.flat<float>().data(), x.NumElements(), estimator_,
-        reinterpret_cast<uint16_t*>(out->flat<Eigen::half>().data()),
+    auto* bits =
+        reinterpret_cast<uint16_t*>(out->flat<Stored16<kFixed>>().data());
+    (kFixed ? EstimatorGradFixed : EstimatorGradHalf)(
+        x.flat<float>().data(), x.NumElements(), estimator_, bits,
         ThreadPoolOf(ctx));
   }
 
@@ -566,30 +593,50 @@ class EstimatorGradHalfOp : public OpKernel {
   Estimator estimator_;
 };
 
-class ScaleByHalfOp : public OpKernel {
+template <bool kFixed>
+class ScaleBy16Op : public OpKernel {
  public:
-  explicit ScaleByHalfOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  explicit ScaleBy16Op(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    if (!kFixed) return;  // binary16 needs no estimator
+    std::string name;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("activation_estimator", &name));
+    OP_REQUIRES(ctx, ParseEstimator(name, &estimator_),
+                errors::InvalidArgument("unknown estimator ", name));
+  }
   void Compute(OpKernelContext* ctx) override {
-    const Tensor &grad = ctx->input(0), &half = ctx->input(1);
-    OP_REQUIRES(ctx, grad.shape() == half.shape(),
+    const Tensor &grad = ctx->input(0), &derivative = ctx->input(1);
+    OP_REQUIRES(ctx, grad.shape() == derivative.shape(),
                 errors::InvalidArgument(
                     "grad ", grad.shape().DebugString(), " and derivative ",
-                    half.shape().DebugString(), " differ in shape"));
+                    derivative.shape().DebugString(), " differ in shape"));
     Tensor* out = nullptr;
     OP_REQUIRES_OK(
         ctx, ctx->forward_input_or_allocate_output({0}, 0, grad.shape(), &out));
     if (grad.NumElements() == 0) return;
-    ScaleByHalf(
-        grad.flat<float>().data(),
-        reinterpret_cast<const uint16_t*>(half.flat<Eigen::half>().data()),
-        grad.NumElements(), out->flat<float>().data(), ThreadPoolOf(ctx));
+    const auto* bits = reinterpret_cast<const uint16_t*>(
+        derivative.flat<Stored16<kFixed>>().data());
+    const float* in = grad.flat<float>().data();
+    float* result = out->flat<float>().data();
+    if (kFixed) {
+      ScaleByFixed(in, bits, grad.NumElements(), estimator_, result,
+                   ThreadPoolOf(ctx));
+    } else {
+      ScaleByHalf(in, bits, grad.NumElements(), result, ThreadPoolOf(ctx));
+    }
   }
+
+ private:
+  Estimator estimator_ = Estimator::kNone;
 };
 
 REGISTER_KERNEL_BUILDER(Name("TapehookEstimatorGradHalf").Device(DEVICE_CPU),
-                        EstimatorGradHalfOp);
+                        EstimatorGrad16Op<false>);
 REGISTER_KERNEL_BUILDER(Name("TapehookScaleByHalf").Device(DEVICE_CPU),
-                        ScaleByHalfOp);
+                        ScaleBy16Op<false>);
+REGISTER_KERNEL_BUILDER(Name("TapehookEstimatorGradFixed").Device(DEVICE_CPU),
+                        EstimatorGrad16Op<true>);
+REGISTER_KERNEL_BUILDER(Name("TapehookScaleByFixed").Device(DEVICE_CPU),
+                        ScaleBy16Op<true>);
 
 REGISTER_OP("TapehookBatchNormGrad")
     .Input("grad: float")
