@@ -143,3 +143,55 @@ def test_one_padded_backward_keeps_the_unpadded_input(monkeypatch, estimator):
     _, rdx, rdw = reference_result(x0, w0, tapehook.binary_spec_of(w), g)
     assert_close(dx, rdx, what=f"dX, {estimator}, one-padded")
     assert_close(dw, rdw, what=f"dW, {estimator}, one-padded")
+
+
+_UNPACK_SCRIPT = """
+import os
+os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # allocation statistics
+import json, numpy as np, tensorflow as tf
+from tapehook import kernels
+lib = kernels.library()
+x = tf.constant(np.random.default_rng(0).normal(size=(16, 32, 32, 64)).astype(np.float32))
+packed = lib.tapehook_pack_input(x, clip=1.0, clip_f64_bits=int(np.float64(1.0).view(np.int64)))
+unpack = lambda p: lib.tapehook_unpack_input(p, channels=64, T=tf.float32)
+out = {}
+for name, f in (("signs", lambda p: [unpack(p)[0]]), ("both", unpack)):
+    fn = tf.function(lambda p: [tf.reduce_sum(t) for t in f(p)])
+    fn(packed)
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    sums = [float(v) for v in fn(packed)]
+    out[name] = dict(peak=tf.config.experimental.get_memory_info("CPU:0")["peak"] - before, sums=sums)
+s, m = unpack(packed)
+out["eager"] = [float(tf.reduce_sum(s)), float(tf.reduce_sum(m))]
+out["want"] = [float(np.sum(np.where(x.numpy() >= 0, 1.0, -1.0))), float(np.sum(np.abs(x.numpy()) <= 1))]
+print(json.dumps(out))
+"""
+
+
+def test_a_graph_reading_only_the_signs_allocates_no_mask():
+    """TapehookUnpackInput in a graph whose only reader takes x_hat (a batch
+    norm's rebuild of a conv output) neither allocates nor writes the mask
+    output: the step's peak holds one unpacked tensor, not two (BFC
+    statistics, a fresh process); both outputs stay right where read."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if kernels.library() is None:
+        pytest.skip("compiled kernels not loaded")
+    run = subprocess.run(
+        [sys.executable, "-c", _UNPACK_SCRIPT],
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    size = 16 * 32 * 32 * 64 * 4
+    assert size <= out["signs"]["peak"] < 1.5 * size, out
+    assert out["both"]["peak"] >= 2 * size, out
+    assert out["signs"]["sums"] == out["want"][:1]
+    assert out["both"]["sums"] == out["want"] == out["eager"]

@@ -109,7 +109,7 @@ void UnpackRowPortable(const uint8_t* in, int64_t channels, T* x_hat, T* mask) {
   for (int64_t c = 0; c < channels; ++c) {
     const int bits = (in[c / 4] >> (6 - 2 * static_cast<int>(c % 4))) & 3;
     x_hat[c] = (bits & 2) ? T(1) : T(-1);
-    mask[c] = (bits & 1) ? T(1) : T(0);
+    if (mask != nullptr) mask[c] = (bits & 1) ? T(1) : T(0);
   }
 }
 
@@ -147,10 +147,13 @@ __attribute__((target("avx512f"))) void UnpackRow512(const uint8_t* in,
     _mm512_storeu_ps(
         x_hat + c,
         _mm512_mask_blend_ps(static_cast<__mmask16>(sign), minus_one, one));
-    _mm512_storeu_ps(mask + c,
-                     _mm512_maskz_mov_ps(static_cast<__mmask16>(keep), one));
+    if (mask != nullptr) {
+      _mm512_storeu_ps(mask + c,
+                       _mm512_maskz_mov_ps(static_cast<__mmask16>(keep), one));
+    }
   }
-  UnpackRowPortable(in + c / 4, channels - c, x_hat + c, mask + c);
+  UnpackRowPortable(in + c / 4, channels - c, x_hat + c,
+                    mask != nullptr ? mask + c : nullptr);
 }
 #endif
 
@@ -170,13 +173,13 @@ void UnpackSignMask(const uint8_t* packed, int64_t rows, int64_t channels,
       if constexpr (std::is_same<T, float>::value) {
         if (wide) {
           UnpackRow512(packed + r * bytes, channels, x_hat + r * channels,
-                       mask + r * channels);
+                       mask != nullptr ? mask + r * channels : nullptr);
           continue;
         }
       }
 #endif
       UnpackRowPortable(packed + r * bytes, channels, x_hat + r * channels,
-                        mask + r * channels);
+                        mask != nullptr ? mask + r * channels : nullptr);
     }
   });
 }

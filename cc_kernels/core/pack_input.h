@@ -20,7 +20,8 @@ template <typename T>
 void PackSignMask(const T* x, int64_t rows, int64_t channels, double clip,
                   uint8_t* packed, const ParallelFor& parallel_for);
 
-// x_hat = +-1 from the sign bits, mask = 0 / 1.
+// x_hat = +-1 from the sign bits, mask = 0 / 1 (not written where mask is
+// null: a caller that needs only the signs).
 template <typename T>
 void UnpackSignMask(const uint8_t* packed, int64_t rows, int64_t channels,
                     T* x_hat, T* mask, const ParallelFor& parallel_for);

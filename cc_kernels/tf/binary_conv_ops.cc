@@ -483,14 +483,23 @@ class UnpackInputOp : public OpKernel {
     shape.set_dim(packed.dims() - 1, channels_);
     Tensor *x_hat = nullptr, *mask = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &x_hat));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, shape, &mask));
+    // A graph whose only reader takes the signs (a batch norm's rebuild of
+    // the conv output, conv2d.recompute_output) leaves the mask unread: the
+    // executor then does not require it, and it is neither allocated nor
+    // written (a full-size tensor per rebuilt conv).
+    const bool with_mask = ctx->output_required(1);
+    if (with_mask) {
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(1, shape, &mask));
+    }
     if (x_hat->NumElements() == 0) return;
-    WidenedOut<T> xo(x_hat), mo(mask);
+    WidenedOut<T> xo(x_hat);
+    std::optional<WidenedOut<T>> mo;
+    if (with_mask) mo.emplace(mask);
     UnpackSignMask(packed.flat<uint8_t>().data(),
                    x_hat->NumElements() / channels_, channels_, xo.data(),
-                   mo.data(), ThreadPoolOf(ctx));
+                   with_mask ? mo->data() : nullptr, ThreadPoolOf(ctx));
     xo.Store();
-    mo.Store();
+    if (with_mask) mo->Store();
   }
 
  private:
