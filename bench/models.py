@@ -989,7 +989,10 @@ def main():
     )
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--profile-estimators", default="approx_sign,ste_sign")
-    parser.add_argument("--profile-impl", default="tapehook-fused", choices=TAPEHOOK_IMPLS)
+    parser.add_argument(
+        "--profile-impl", default="tapehook-fused", choices=(*FLOAT_IMPLS, *TAPEHOOK_IMPLS)
+    )
+    parser.add_argument("--profile-batch", type=int, default=32)
     parser.add_argument("--profile-size", type=int, default=112, choices=(112, 224))
     parser.add_argument("--profile-only", action="store_true")
     parser.add_argument("--no-profile", action="store_true")
@@ -1136,7 +1139,7 @@ def main():
                 impl=args.profile_impl,
                 estimator=est,
                 size=args.profile_size,
-                batch=32,
+                batch=args.profile_batch,
                 train_steps=(2, 2),
                 predict_steps=(1, 1),
                 round=-1,
@@ -1150,7 +1153,7 @@ def main():
                 {
                     "model": "birealnet18",
                     "size": args.profile_size,
-                    "batch": 32,
+                    "batch": args.profile_batch,
                     "impl": args.profile_impl,
                     "estimator": est,
                     **r["profile"],
@@ -1158,7 +1161,7 @@ def main():
                 }
             )
             print(
-                f"\nBi-Real-Net-18, {args.profile_impl}, {est} inputs, batch 32, "
+                f"\nBi-Real-Net-18, {args.profile_impl}, {est} inputs, batch {args.profile_batch}, "
                 f"{args.profile_size} px:"
             )
             print_profile(profiles[-1])
