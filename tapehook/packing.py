@@ -18,12 +18,11 @@ dW is exact (it reads only sign(x)) and dX is dX_hat * e'(x).
   (approx_sign, e' in [0, 2]) or 4.1e-5 (swish_sign, e' in [-0.37, 5]) in
   absolute terms, so dX by at most that times |dX_hat| (the gradient
   reaching the sign): about the float32 tolerance the tests hold the
-  reference to (2e-5 of a tensor's scale), more than it relative to dX's own
-  scale only where every e'(x) is small; 32x finer than binary16 near
-  e' = 2. On machines
-  with a GPU (the fixed-point ops are CPU kernels) and for other dtypes
-  (half / bfloat16 x is no larger; float64's e'(x) would lose most of its bits),
-  those inputs keep x;
+  reference to (2e-5 of a tensor's scale), more than it relative to dX's
+  own scale only where every e'(x) is small; 32x finer than binary16 near
+  e' = 2. On machines with a GPU (the fixed-point ops are CPU kernels) and
+  for other dtypes (half / bfloat16 x is no larger; float64's e'(x) would
+  lose most of its bits) those inputs keep x;
 - ``float32``: approx_sign / swish_sign inputs keep x, so dX is the
   reference's float32 math (ste_sign inputs still as bits);
 - ``0``: x everywhere: the packing costs a pass over x in the forward and an
