@@ -237,18 +237,34 @@ float GradOf(Estimator estimator, float t) {
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define TAPEHOOK_HAVE_HALF_SIMD 1
-// approx_sign's e'(t) = 2 - 2 min(|t|, 1), on the bit patterns as
-// ApproxSignGrad (NaN: 1, so e' = 0), then vcvtps2ph / vcvtph2ps.
+// approx_sign's e'(t) = 2 - 2 min(|t|, 1) of 16 / 8 values at t, on the bit
+// patterns as ApproxSignGrad (NaN: 1, so e' = 0): 2m is exact, one rounding.
+__attribute__((target("avx512f"))) inline __m512 ApproxGrad512(const float* t) {
+  const __m512i a =
+      _mm512_and_si512(_mm512_loadu_si512(t), _mm512_set1_epi32(0x7FFFFFFF));
+  const __m512 m =
+      _mm512_castsi512_ps(_mm512_min_epi32(a, _mm512_set1_epi32(0x3F800000)));
+  const __m512 two = _mm512_set1_ps(2.0f);
+  return _mm512_fnmadd_ps(two, m, two);
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 ApproxGrad256(
+    const float* t) {
+  const __m256i a =
+      _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)),
+                       _mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 m =
+      _mm256_castsi256_ps(_mm256_min_epi32(a, _mm256_set1_epi32(0x3F800000)));
+  const __m256 two = _mm256_set1_ps(2.0f);
+  return _mm256_fnmadd_ps(two, m, two);
+}
+
+// approx_sign's e' in binary16: vcvtps2ph (to nearest even).
 __attribute__((target("avx512f"))) void ApproxHalf512(const float* x, int64_t n,
                                                       uint16_t* out) {
-  const __m512i abs_bits = _mm512_set1_epi32(0x7FFFFFFF),
-                one = _mm512_set1_epi32(0x3F800000);
-  const __m512 two = _mm512_set1_ps(2.0f);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512i a = _mm512_and_si512(_mm512_loadu_si512(x + i), abs_bits);
-    const __m512 m = _mm512_castsi512_ps(_mm512_min_epi32(a, one));
-    const __m512 g = _mm512_fnmadd_ps(two, m, two);  // exact 2m, one rounding
+    const __m512 g = ApproxGrad512(x + i);
     _mm256_storeu_si256(
         reinterpret_cast<__m256i*>(out + i),
         _mm512_cvtps_ph(g, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -259,15 +275,9 @@ __attribute__((target("avx512f"))) void ApproxHalf512(const float* x, int64_t n,
 __attribute__((target("avx2,f16c,fma"))) void ApproxHalf256(const float* x,
                                                             int64_t n,
                                                             uint16_t* out) {
-  const __m256i abs_bits = _mm256_set1_epi32(0x7FFFFFFF),
-                one = _mm256_set1_epi32(0x3F800000);
-  const __m256 two = _mm256_set1_ps(2.0f);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256i a = _mm256_and_si256(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), abs_bits);
-    const __m256 m = _mm256_castsi256_ps(_mm256_min_epi32(a, one));
-    const __m256 g = _mm256_fnmadd_ps(two, m, two);
+    const __m256 g = ApproxGrad256(x + i);
     _mm_storeu_si128(
         reinterpret_cast<__m128i*>(out + i),
         _mm256_cvtps_ph(g, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
@@ -379,21 +389,16 @@ float FixedValue(uint16_t q, FixedDerivative f) {
 }
 
 #if TAPEHOOK_HAVE_HALF_SIMD
-// approx_sign's q: e' as ApproxHalf512, times 32767.5, vcvtps2dq (to nearest
+// approx_sign's q: e' (ApproxGrad512), times 32767.5, vcvtps2dq (to nearest
 // even under the default MXCSR), narrowed with unsigned saturation.
 __attribute__((target("avx512f"))) void ApproxFixed512(const float* x,
                                                        int64_t n,
                                                        uint16_t* out) {
-  const __m512i abs_bits = _mm512_set1_epi32(0x7FFFFFFF),
-                one = _mm512_set1_epi32(0x3F800000);
-  const __m512 two = _mm512_set1_ps(2.0f),
-               quantum = _mm512_set1_ps(kApproxQuantum);
+  const __m512 quantum = _mm512_set1_ps(kApproxQuantum);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512i a = _mm512_and_si512(_mm512_loadu_si512(x + i), abs_bits);
-    const __m512 m = _mm512_castsi512_ps(_mm512_min_epi32(a, one));
-    const __m512 g = _mm512_fnmadd_ps(two, m, two);
-    const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(g, quantum));
+    const __m512i q =
+        _mm512_cvtps_epi32(_mm512_mul_ps(ApproxGrad512(x + i), quantum));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
                         _mm512_cvtusepi32_epi16(q));
   }
@@ -403,17 +408,11 @@ __attribute__((target("avx512f"))) void ApproxFixed512(const float* x,
 __attribute__((target("avx2,fma"))) void ApproxFixed256(const float* x,
                                                         int64_t n,
                                                         uint16_t* out) {
-  const __m256i abs_bits = _mm256_set1_epi32(0x7FFFFFFF),
-                one = _mm256_set1_epi32(0x3F800000);
-  const __m256 two = _mm256_set1_ps(2.0f),
-               quantum = _mm256_set1_ps(kApproxQuantum);
+  const __m256 quantum = _mm256_set1_ps(kApproxQuantum);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256i a = _mm256_and_si256(
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i)), abs_bits);
-    const __m256 m = _mm256_castsi256_ps(_mm256_min_epi32(a, one));
-    const __m256 g = _mm256_fnmadd_ps(two, m, two);
-    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(g, quantum));
+    const __m256i q =
+        _mm256_cvtps_epi32(_mm256_mul_ps(ApproxGrad256(x + i), quantum));
     // packus works per 128-bit lane: gather the two low quarters.
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(q, q),
                                                     _MM_SHUFFLE(3, 1, 2, 0));
@@ -467,7 +466,7 @@ FixedDerivative FixedDerivativeOf(Estimator estimator) {
   if (estimator == Estimator::kSwishSign) {
     return {kSwishOffset, static_cast<float>(kSwishBeta / kSwishSteps)};
   }
-  return {0, static_cast<float>(2.0 / 65535.0)};
+  return {0, static_cast<float>(1.0 / kApproxQuantum)};  // 2 / 65535
 }
 
 void EstimatorGradFixed(const float* x, int64_t n, Estimator estimator,
