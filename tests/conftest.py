@@ -212,24 +212,30 @@ def _fresh_state():
     kernels.force_reference(False)
 
 
-def fit_mirrored(module):
-    """{name: weights} of ``module``'s mirrored_variants() each fitted under
-    MirroredStrategy over 2 logical CPUs, in a fresh process
-    (tests/helpers/mirrored_fit.py)."""
+def run_python_json(*args):
+    """The JSON a fresh ``python *args`` prints on its last line (TF's logs
+    off); fails with the end of its stderr if it exits non-zero."""
     import json
     import subprocess
     import sys
 
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "mirrored_fit.py")
     run = subprocess.run(
-        [sys.executable, script, module],
+        [sys.executable, *args],
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert run.returncode == 0, run.stderr[-4000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def fit_mirrored(module):
+    """{name: weights} of ``module``'s mirrored_variants() each fitted under
+    MirroredStrategy over 2 logical CPUs, in a fresh process
+    (tests/helpers/mirrored_fit.py)."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "mirrored_fit.py")
+    out = run_python_json(script, module)
     return {name: [np.array(w) for w in weights] for name, weights in out.items()}
 
 

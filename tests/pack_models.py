@@ -102,3 +102,46 @@ def references(x, w0, spec, g, strides, masks):
         )
         masked.append(dx.numpy())
     return dx_exact, dw, *masked
+
+
+def assert_near_float32(got, float32, rtol, atol):
+    """Weights trained under a setting within (rtol, atol) of those trained
+    keeping float32 x, and not equal to them (the setting took effect)."""
+    assert len(got) == len(float32) > 0
+    for a, b in zip(got, float32):
+        np.testing.assert_allclose(a, b, rtol=rtol, atol=atol)
+    assert any(not np.array_equal(a, b) for a, b in zip(got, float32))
+
+
+def assert_fit_near_float32(monkeypatch, setting, rtol, atol):
+    """Keras fit of the model, 4 SGD steps, under ``setting`` against
+    ``float32``: losses within rtol, weights as assert_near_float32, the
+    binary conv's dX on the kernels."""
+    loss32, weights32 = fit_weights(monkeypatch, "float32")
+    tapehook.reset_dispatch_counts()
+    loss, weights = fit_weights(monkeypatch, setting)
+    assert tapehook.dispatch_counts()["compiled"]["backprop_input"] >= 4
+    np.testing.assert_allclose(loss, loss32, rtol=rtol)
+    assert_near_float32(weights, weights32, rtol, atol)
+
+
+GRADIENT_SHAPES = {"stride2": (2, 9, 9, 12), "odd_ch": (3, 6, 6, 5)}
+
+
+def gradients_in_mode(mode, estimator, shape):
+    """(x, w0, spec, g, strides, dx, dw) of a mean_abs binary conv with
+    ``estimator`` inputs, 7 output channels (stride 2 for 9x9 inputs), run
+    through tapehook in execution ``mode``; its dX ran on the kernels."""
+    x, w0 = random_inputs(shape, (3, 3, shape[-1], 7))
+    x = x.numpy() * 0.7  # most |x| < 1: e'(x) mostly nonzero
+    w0 = w0.numpy()
+    spec = tapehook.BinarySpec(activations=estimator, scale="mean_abs")
+    strides = [1, 2, 1, 1] if shape[1] == 9 else [1, 1, 1, 1]
+    g = upstream(conv(tf.constant(x), tf.constant(w0)).shape, tf.float32).numpy()
+    tapehook.reset_dispatch_counts()
+    _, dx, dw = run_mode(
+        mode, x, w0, g, conv, prepare=lambda w: tapehook.mark_binary(w, **spec.to_config())
+    )
+    counts = tapehook.dispatch_counts()
+    assert counts["reference"]["backprop_input"] == 0, counts
+    return x, w0, spec, g, strides, np.asarray(dx), dw

@@ -13,7 +13,14 @@ import tensorflow as tf
 import tapehook
 from tapehook import kernels, packing
 
-from conftest import assert_close, conv_gradient_graph, random_inputs, reference_result, upstream
+from conftest import (
+    assert_close,
+    conv_gradient_graph,
+    random_inputs,
+    reference_result,
+    run_python_json,
+    upstream,
+)
 
 
 def test_float_input_is_not_kept_by_the_tape():
@@ -174,22 +181,9 @@ def test_a_graph_reading_only_the_signs_allocates_no_mask():
     norm's rebuild of a conv output) neither allocates nor writes the mask
     output: the step's peak holds one unpacked tensor, not two (BFC
     statistics, a fresh process); both outputs stay right where read."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     if kernels.library() is None:
         pytest.skip("compiled kernels not loaded")
-    run = subprocess.run(
-        [sys.executable, "-c", _UNPACK_SCRIPT],
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    out = run_python_json("-c", _UNPACK_SCRIPT)
     size = 16 * 32 * 32 * 64 * 4
     assert size <= out["signs"]["peak"] < 1.5 * size, out
     assert out["both"]["peak"] >= 2 * size, out
