@@ -95,6 +95,30 @@ def time_alternating(fns, repeats, calls):
     return {name: {"min": min(v), "median": statistics.median(v)} for name, v in times.items()}
 
 
+def write_alternating_result(path, rows, repeats, calls):
+    """Writes ``rows`` of a time_alternating benchmark as JSON with the
+    machine, versions and timing settings they were measured under."""
+    import keras
+    import tensorflow as tf
+    from run import cpu_model, onednn_setting
+
+    out = pathlib.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {
+        "machine": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "tf_version": tf.__version__,
+        "keras_version": keras.__version__,
+        "onednn": onednn_setting(),
+        "repeats": repeats,
+        "calls": calls,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "rows": rows,
+    }
+    out.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out}")
+
+
 def _candidates(tf, tapehook, shape, plans, batch):
     from tapehook import kernels, packing
 

@@ -12,11 +12,9 @@ each and Keras's time over tapehook's (min and median over repeats).
 """
 
 import argparse
-import json
 import os
 import pathlib
 import sys
-import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 # (image side, channels) of Bi-Real-Net-18's batch norms at 112 and 224 px.
@@ -64,8 +62,7 @@ def main():
     from tapehook import layers
 
     sys.path.insert(0, str(HERE))
-    from backprops import time_alternating
-    from run import cpu_model, onednn_setting
+    from backprops import time_alternating, write_alternating_result
 
     rows = []
     print(
@@ -95,21 +92,7 @@ def main():
                     ),
                     flush=True,
                 )
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    result = {
-        "machine": cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "tf_version": tf.__version__,
-        "keras_version": keras.__version__,
-        "onednn": onednn_setting(),
-        "repeats": args.repeats,
-        "calls": args.calls,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "rows": rows,
-    }
-    out.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    write_alternating_result(args.out, rows, args.repeats, args.calls)
 
 
 if __name__ == "__main__":

@@ -304,7 +304,13 @@ def binary_conv_factory(K, impl, model, estimator):
     if impl in FLOAT_IMPLS:
         return lambda *a: K.layers.Conv2D(**common(*a))
     if impl in TAPEHOOK_IMPLS:  # binarized after the model is built
-        return lambda *a: K.layers.Conv2D(**common(*a), kernel_constraint=clip_constraint(K, clip))
+        import tapehook
+
+        # tapehook's WeightClip, as a user writes it (tapehook.larq's
+        # WeightClip is the same class): tapehook.optimizers.Adam (the -fused
+        # and -recompute implementations) updates and clips such a kernel
+        # in one pass; Keras's Adam applies it as the constraint it is.
+        return lambda *a: K.layers.Conv2D(**common(*a), kernel_constraint=tapehook.WeightClip(clip))
     if impl == "larq":
         import larq as lq
 

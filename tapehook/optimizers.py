@@ -8,14 +8,17 @@ model are marked when first called) are in place before Keras builds the
 optimizer, because Keras builds it after the model's first (symbolic) call.
 """
 
+import contextlib
 import math
+import threading
 import warnings
 
 import keras
 import tensorflow as tf
 from keras.optimizers.schedules import LearningRateSchedule
 
-from tapehook import marks
+from tapehook import kernels, marks
+from tapehook.constraints import WeightClip
 from tapehook.errors import TapehookError
 
 _PACKAGE = "tapehook"
@@ -533,7 +536,51 @@ class Adam(keras.optimizers.Adam):
     Keras's does), to float rounding. ``amsgrad=True`` and sparse gradients
     (``IndexedSlices``) run Keras's own update. Weight decay, gradient
     clipping, EMA and loss scaling are the base optimizer's, as in Keras.
+
+    A float32 variable whose constraint is a ``WeightClip`` (tapehook's or
+    ``tapehook.larq``'s: the latent weights of a binary layer) is updated
+    and clipped by one compiled kernel, ``TapehookResourceApplyAdamClip``:
+    one pass instead of the update and then Keras's constraint (two more
+    passes and a copy). Its result is bit for bit ResourceApplyAdam's
+    followed by ``tf.clip_by_value`` (NaN stays NaN). It runs where the
+    compiled kernels are loaded and no GPU is visible (it is a CPU kernel),
+    for dense gradients, without EMA and without gradient accumulation
+    (whose EMA and skipped steps Keras orders around the constraint); the
+    others take the separate update and constraint.
     """
+
+    def _fused_clip(self, variable, gradient):
+        """The clip of ``variable`` (a Keras variable) when its update and
+        its WeightClip run as one kernel, else None: the one place that
+        decides, read by apply (which then skips Keras's constraint) and by
+        update_step (which then runs the kernel)."""
+        constraint = _constraint_of(variable)
+        if not (
+            isinstance(constraint, WeightClip)
+            and type(constraint).__call__ is WeightClip.__call__
+            and gradient is not None
+            and not isinstance(gradient, tf.IndexedSlices)
+            and variable.dtype == "float32"
+            and not getattr(variable, "overwrite_with_gradient", False)
+            and not (self.amsgrad or self.use_ema or self.gradient_accumulation_steps)
+        ):
+            return None
+        if kernels.library() is None or tf.config.list_logical_devices("GPU"):
+            return None
+        return constraint.clip_value
+
+    def apply(self, grads, trainable_variables=None):
+        grads = list(grads)
+        if trainable_variables is not None:
+            trainable_variables = list(trainable_variables)
+        variables = (
+            trainable_variables
+            if trainable_variables is not None
+            else getattr(self, "_trainable_variables", [])
+        )
+        fused = [v for g, v in zip(grads, variables) if self._fused_clip(v, g) is not None]
+        with _constraints_applied_in_update(fused):
+            return super().apply(grads, trainable_variables)
 
     def update_step(self, gradient, variable, learning_rate):
         if self.amsgrad or isinstance(gradient, tf.IndexedSlices):
@@ -545,7 +592,7 @@ class Adam(keras.optimizers.Adam):
         def raw(v):  # a Keras variable's tf.Variable (a replica's, in update())
             return v.value if isinstance(v, keras.Variable) else v
 
-        tf.raw_ops.ResourceApplyAdam(
+        inputs = dict(
             var=raw(variable).handle,
             m=raw(self._momentums[index]).handle,
             v=raw(self._velocities[index]).handle,
@@ -557,3 +604,42 @@ class Adam(keras.optimizers.Adam):
             epsilon=tf.cast(self.epsilon, dtype),
             grad=tf.cast(gradient, dtype),
         )
+        clip = self._fused_clip(self._trainable_variables[index], gradient)
+        if clip is None:
+            tf.raw_ops.ResourceApplyAdam(**inputs)
+        else:
+            kernels.library().tapehook_resource_apply_adam_clip(**inputs, clip=clip)
+
+
+# Keras's Optimizer.apply assigns each variable's constraint after the update;
+# for the variables whose update already clipped (Adam._fused_clip) it reads
+# None meanwhile. Replicas under MirroredStrategy run apply on threads at the
+# same time, so entries count: the last one out puts the constraint back.
+_suspended_lock = threading.Lock()
+_suspended = {}  # id(variable) -> [constraint, depth]
+
+
+def _constraint_of(var):
+    """var's constraint, also while apply has it suspended."""
+    with _suspended_lock:
+        entry = _suspended.get(id(var))
+    return entry[0] if entry is not None else var.constraint
+
+
+@contextlib.contextmanager
+def _constraints_applied_in_update(variables):
+    with _suspended_lock:
+        for var in variables:
+            entry = _suspended.setdefault(id(var), [var.constraint, 0])
+            entry[1] += 1
+            var.constraint = None
+    try:
+        yield
+    finally:
+        with _suspended_lock:
+            for var in variables:
+                entry = _suspended[id(var)]
+                entry[1] -= 1
+                if entry[1] == 0:
+                    var.constraint = entry[0]
+                    del _suspended[id(var)]

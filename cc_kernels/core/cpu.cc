@@ -115,9 +115,11 @@ bool PackInput512() {
   return f.avx512f && f.bmi2 && !InEffect().no_avx512 && Avx2();
 }
 
-bool UnpackInput512() {
+bool Float512() {
   return Detected().avx512f && !InEffect().no_avx512 && Avx2();
 }
+
+bool UnpackInput512() { return Float512(); }
 
 bool HalfConvert256() { return Detected().f16c && Avx2(); }
 

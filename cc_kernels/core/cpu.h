@@ -41,9 +41,11 @@ Switches InEffect();
 bool Avx2();
 // AVX-512 bitpacked tier: F/BW/VL + VPOPCNTDQ, and the AVX2 tier.
 bool Avx512();
+// AVX-512F float loops (the optimizer's update): AVX-512F and the AVX2 tier.
+bool Float512();
 // AVX-512F (+ BMI2 for packing) loops of the packed-input format.
 bool PackInput512();
-bool UnpackInput512();
+bool UnpackInput512();  // Float512()
 // F16C conversions (float <-> binary16, 8 at a time) and the AVX2 tier.
 bool HalfConvert256();
 // AMX-TILE + AMX-BF16 + AVX-512 F/BW, the Linux grant, and the AVX2 tier.

@@ -24,6 +24,7 @@
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/tensor_shape.h"
 #include "tf/conv_attrs.h"
+#include "tf/thread_pool.h"
 
 #ifndef TAPEHOOK_TF_VERSION
 #define TAPEHOOK_TF_VERSION "unknown"
@@ -132,23 +133,6 @@ REGISTER_OP("TapehookBinaryConv2DBackpropFilter")
       c->set_output(0, c->input(1));
       return absl::OkStatus();
     });
-
-ParallelFor ThreadPoolOf(OpKernelContext* ctx) {
-  auto* pool = ctx->device()->tensorflow_cpu_worker_threads()->workers;
-  return [pool](int64_t total, int64_t cost,
-                const std::function<void(int64_t, int64_t)>& fn) {
-    if (cost == kEvenShards) {
-      const int64_t threads = std::max(1, pool->NumThreads());
-      pool->ParallelFor(
-          total,
-          ::tensorflow::thread::ThreadPool::SchedulingParams::Fixed(
-              std::max<int64_t>(1, (total + threads - 1) / threads)),
-          fn);
-      return;
-    }
-    pool->ParallelFor(total, cost, fn);
-  };
-}
 
 // The core computes in float or double; half and bfloat16 are widened to
 // float on the way in and rounded on the way out.
