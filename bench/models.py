@@ -30,6 +30,9 @@ tests/test_bench_models.py checks the parameter counts agree):
   ``tapehook-recompute-f16`` / ``tapehook-recompute-x``: the same with
   ``TAPEHOOK_PACK_INPUTS=float16`` / ``float32`` (approx_sign inputs kept as
   binary16 e'(x) / as x instead of the default 16-bit fixed-point e'(x));
+  ``tapehook-recompute-early``: recompute only on the batch norms of fewer
+  than 256 channels (stem and first two stages); the later, smaller outputs
+  are kept and not rebuilt;
 - ``larq``: ``lq.layers.QuantConv2D`` on tf-keras (TF_USE_LEGACY_KERAS=1), run
   with the python of a side environment (``--larq-python``; skipped when absent).
 
@@ -82,6 +85,7 @@ IMPLS = (
     "tapehook-recompute",
     "tapehook-recompute-f16",
     "tapehook-recompute-x",
+    "tapehook-recompute-early",
     "larq",
 )
 # "-fused": the model's batch norms tapehook.layers.BatchNormalization, its max
@@ -95,7 +99,14 @@ IMPLS = (
 # float16 / float32 (approx_sign inputs kept as sign bits + binary16 e'(x) / as
 # float x, instead of sign bits + fixed-point e'(x); ste_sign as before).
 PACK_SETTINGS = {"tapehook-recompute-f16": "float16", "tapehook-recompute-x": "float32"}
-RECOMPUTE_IMPLS = ("tapehook-recompute", *PACK_SETTINGS)
+# "tapehook-recompute-early": recompute=True only on the batch norms of fewer
+# than 256 channels (the stem and the first two stages of both models), where
+# a kept output is largest per unit of rebuild work (a 3x3 conv's rebuild
+# costs 9 x in_channels multiply-adds per output element, the same per layer
+# across stages, while its output shrinks 2x per stage); the later stages
+# keep their conv outputs and skip the rebuild.
+RECOMPUTE_BELOW_CHANNELS = {"tapehook-recompute-early": 256}
+RECOMPUTE_IMPLS = ("tapehook-recompute", *PACK_SETTINGS, *RECOMPUTE_BELOW_CHANNELS)
 FUSED_IMPLS = ("float-fused", "tapehook-fused", *RECOMPUTE_IMPLS)
 TAPEHOOK_IMPLS = ("tapehook", "tapehook-fused", *RECOMPUTE_IMPLS)
 FLOAT_IMPLS = ("float", "float-fused")
@@ -380,10 +391,15 @@ def build(K, model, impl, estimator, size, **kwargs):
         import tapehook
 
         recompute = impl in RECOMPUTE_IMPLS
-        kwargs.setdefault(
-            "batch_norm",
-            lambda **kw: tapehook.layers.BatchNormalization(recompute=recompute, **kw),
-        )
+        below = RECOMPUTE_BELOW_CHANNELS.get(impl)
+
+        class BatchNormalization(tapehook.layers.BatchNormalization):
+            def build(self, input_shape):
+                if below is not None:
+                    self.recompute = input_shape[-1] < below
+                super().build(input_shape)
+
+        kwargs.setdefault("batch_norm", lambda **kw: BatchNormalization(recompute=recompute, **kw))
         # tapehook's max pool (its backward reads one-byte taps: 2-3x faster
         # than stock MaxPoolGrad on Eigen); the memory configuration's also
         # does the backward of a ReLU it is the only reader of

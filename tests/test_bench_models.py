@@ -148,6 +148,30 @@ def test_tapehook_runs_binary_kernels_and_matches_larq_style(model, estimator, i
     np.testing.assert_allclose(loss_ours, loss_theirs, rtol=1e-4)
 
 
+@pytest.mark.parametrize("model", list(bench_models.ARCHITECTURES))
+def test_recompute_early_rebuilds_only_the_narrow_batch_norms(model):
+    """tapehook-recompute-early at the models' real widths: recompute on
+    exactly the batch norms of fewer than 256 channels, so a fit step runs
+    the binary forward again for the 8 binary convs of the first two stages
+    (sections) only."""
+    est = bench_models.RECIPES[model]["estimators"][0]
+    keras.utils.set_random_seed(0)
+    net = bench_models.build(keras, model, "tapehook-recompute-early", est, SIZE, classes=CLASSES)
+    norms = [l for l in net.layers if isinstance(l, tapehook.layers.BatchNormalization)]
+    assert [l.recompute for l in norms] == [l.input.shape[-1] < 256 for l in norms]
+    assert any(l.recompute for l in norms) and not all(l.recompute for l in norms)
+    net.compile(keras.optimizers.SGD(0.0), "sparse_categorical_crossentropy", jit_compile=False)
+    x = tf.random.stateless_normal([2, SIZE, SIZE, 3], seed=[1, 2])
+    tapehook.reset_dispatch_counts()
+    net.fit(x, np.arange(2), epochs=1, verbose=0)
+    convs, _ = BINARY_CONVS[model]
+    assert tapehook.dispatch_counts()["compiled"] == {
+        "forward": convs + 8,
+        "backprop_input": convs,
+        "backprop_filter": convs,
+    }
+
+
 def test_float_model_is_stock():
     net = build("birealnet18", "float", None)
     tapehook.reset_dispatch_counts()
