@@ -18,6 +18,7 @@ import tensorflow as tf
 from keras.optimizers.schedules import LearningRateSchedule
 
 from tapehook import kernels, marks
+from tapehook.compat import control_flow_util, ops
 from tapehook.constraints import WeightClip
 from tapehook.errors import TapehookError
 
@@ -544,7 +545,8 @@ class Adam(keras.optimizers.Adam):
     passes and a copy). Its result is bit for bit ResourceApplyAdam's
     followed by ``tf.clip_by_value`` (NaN stays NaN). It runs where the
     compiled kernels are loaded and no GPU is visible (it is a CPU kernel),
-    for dense gradients, without EMA and without gradient accumulation
+    outside XLA-compiled steps (``jit_compile=True``: no XLA kernel), for
+    dense gradients, without EMA and without gradient accumulation
     (whose EMA and skipped steps Keras orders around the constraint); the
     others take the separate update and constraint.
     """
@@ -567,6 +569,8 @@ class Adam(keras.optimizers.Adam):
             return None
         if kernels.library() is None or tf.config.list_logical_devices("GPU"):
             return None
+        if control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
+            return None  # jit_compile=True: the op has no XLA kernel
         return constraint.clip_value
 
     def apply(self, grads, trainable_variables=None):

@@ -364,12 +364,13 @@ def test_weight_clip_is_fused_and_matches_the_constraint(mode, clip_cls):
 
 
 @pytest.mark.parametrize(
-    "case", ["amsgrad", "ema", "accumulation", "sparse", "float64", "reference_kernels"]
+    "case", ["amsgrad", "ema", "accumulation", "sparse", "float64", "reference_kernels", "xla"]
 )
 def test_where_the_fusion_does_not_apply_the_constraint_still_clips(case, monkeypatch):
     """amsgrad, EMA, gradient accumulation, sparse gradients, float64
-    variables and unloaded kernels take the separate update and Keras's
-    constraint: Keras's Adam's result, clipped."""
+    variables, unloaded kernels and XLA-compiled steps (the op has no XLA
+    kernel) take the separate update and Keras's constraint: Keras's Adam's
+    result, clipped."""
     dtype = np.float64 if case == "float64" else np.float32
     w0 = np.random.default_rng(9).uniform(-1.2, 1.2, (6, 3)).astype(dtype)
     grads = _grads(w0.shape, dtype=dtype, seed=10)
@@ -387,7 +388,10 @@ def test_where_the_fusion_does_not_apply_the_constraint_still_clips(case, monkey
             var = keras.Variable(w0, dtype="float64")
             var.constraint = tapehook.WeightClip(0.9)
 
-        step = tf.function(_stepper(opt, var, sparse_rows=[0, 4] if case == "sparse" else None))
+        step = tf.function(
+            _stepper(opt, var, sparse_rows=[0, 4] if case == "sparse" else None),
+            jit_compile=case == "xla",
+        )
         assert "TapehookResourceApplyAdamClip" not in _op_types(step, tf.constant(grads[0]))
         for g in grads:
             step(tf.constant(g))
