@@ -170,7 +170,12 @@ class BatchNormalization(keras.layers.BatchNormalization):
     forward is exact and the float one deterministic), so results are those
     of ``recompute=False``. Elsewhere (other inputs, eager calls; binary
     convs on machines with GPUs) the layer trains as with
-    ``recompute=False``.
+    ``recompute=False``. Which layers to recompute is the trade: a 3x3
+    conv's rebuild costs about the same in every stage of a ResNet-style
+    network while the output it saves halves per stage, so recomputing only
+    the first stages' batch norms keeps most of the saving for part of the
+    time (Bi-Real-Net-18: those of fewer than 256 channels;
+    docs/models_perf.md measures both).
 
     Results equal Keras's to float rounding: outputs and gradients (through
     the batch statistics), and the moving statistics updated as Keras does,
