@@ -554,8 +554,9 @@ class Adam(keras.optimizers.Adam):
     def _fused_clip(self, variable, gradient):
         """The clip of ``variable`` (a Keras variable) when its update and
         its WeightClip run as one kernel, else None: the one place that
-        decides, read by apply (which then skips Keras's constraint) and by
-        update_step (which then runs the kernel)."""
+        decides. apply suspends the constraint of those variables for the
+        call (Keras then skips it); update_step runs the kernel for a
+        variable whose constraint apply suspended."""
         constraint = _constraint_of(variable)
         if not (
             isinstance(constraint, WeightClip)
@@ -608,7 +609,8 @@ class Adam(keras.optimizers.Adam):
             epsilon=tf.cast(self.epsilon, dtype),
             grad=tf.cast(gradient, dtype),
         )
-        clip = self._fused_clip(self._trainable_variables[index], gradient)
+        # Fused exactly where apply suspended the constraint (its decision).
+        clip = _suspended_clip(self._trainable_variables[index])
         if clip is None:
             tf.raw_ops.ResourceApplyAdam(**inputs)
         else:
@@ -628,6 +630,14 @@ def _constraint_of(var):
     with _suspended_lock:
         entry = _suspended.get(id(var))
     return entry[0] if entry is not None else var.constraint
+
+
+def _suspended_clip(var):
+    """The clip value of var's WeightClip while apply has it suspended, else
+    None."""
+    with _suspended_lock:
+        entry = _suspended.get(id(var))
+    return entry[0].clip_value if entry is not None else None
 
 
 @contextlib.contextmanager

@@ -398,3 +398,32 @@ def test_where_the_fusion_does_not_apply_the_constraint_still_clips(case, monkey
         results.append(var.numpy())
     np.testing.assert_allclose(results[0], results[1], rtol=1e-6, atol=1e-6)
     assert np.abs(results[0]).max() <= 0.9
+
+
+def test_adam_clip_op_rejects_bad_input_with_clear_errors():
+    """Wrong variable dtype, mismatched shapes and a non-positive clip are
+    InvalidArgument errors that say what is wrong, not a crash."""
+    _needs_kernels()
+    lib = kernels.library()
+    scalars = _adam_scalars(1)
+
+    def call(dtype=tf.float32, grad_shape=(3,), clip=1.0):
+        state = [tf.Variable(tf.zeros([3], dtype)) for _ in range(3)]
+        lib.tapehook_resource_apply_adam_clip(
+            var=state[0].handle,
+            m=state[1].handle,
+            v=state[2].handle,
+            grad=tf.zeros(grad_shape),
+            clip=clip,
+            **scalars,
+        )
+
+    call()  # the good call runs
+    for kwargs, message in (
+        (dict(dtype=tf.float64), "must be float32 variables; input 0 is double"),
+        (dict(grad_shape=(4,)), "must have one shape"),
+        (dict(clip=0.0), "clip must be positive and finite"),
+        (dict(clip=float("nan")), "clip must be positive and finite"),
+    ):
+        with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+            call(**kwargs)

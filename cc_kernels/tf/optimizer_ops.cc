@@ -62,6 +62,21 @@ class ApplyAdamClipOp : public OpKernel {
   }
   void Compute(OpKernelContext* ctx) override {
     using CPUDevice = Eigen::ThreadPoolDevice;
+    // float32 variables only (the core's type): checked before the helpers
+    // below read them as float.
+    for (int i = 0; i < 3; ++i) {
+      ::tensorflow::core::RefCountPtr<::tensorflow::Var> variable;
+      OP_REQUIRES_OK(
+          ctx, ::tensorflow::LookupResource(
+                   ctx, ::tensorflow::HandleFromInput(ctx, i), &variable));
+      OP_REQUIRES(
+          ctx, variable->tensor()->dtype() == ::tensorflow::DT_FLOAT,
+          errors::InvalidArgument(
+              "TapehookResourceApplyAdamClip: var, m and v must be "
+              "float32 variables; input ",
+              i, " is ",
+              ::tensorflow::DataTypeString(variable->tensor()->dtype())));
+    }
     // As ResourceApplyAdam: the three variables locked in address order, and
     // each copied first where a pending read still holds its buffer.
     auto locks =
