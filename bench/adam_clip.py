@@ -46,8 +46,8 @@ def main():
     class SeparateAdam(tapehook.optimizers.Adam):
         """The update and the constraint apart (the kernel not taken)."""
 
-        def _fused_clip(self, variable, gradient):
-            return None
+        def _fused_variables(self, grads, variables):
+            return []
 
     def stepper(opt, grads, variables):
         return lambda: opt.apply(grads, variables)

@@ -287,6 +287,16 @@ def library():
         return _state["library"]
 
 
+def cpu_library():
+    """The loaded library where its CPU-only ops (batch-norm gradient, max
+    pools, fixed-point e'(x), Adam-and-clip) may run: loaded and no GPU
+    visible (TF places the surrounding ops on the GPU); else None."""
+    loaded = library()
+    if loaded is None or tf.config.list_logical_devices("GPU"):
+        return None
+    return loaded
+
+
 def force_reference(enabled: bool) -> None:
     """Routes binary forwards built from now on to the reference path (testing)."""
     _forced_reference[0] = bool(enabled)

@@ -341,8 +341,8 @@ class BatchNormalization(keras.layers.BatchNormalization):
                 # What FusedBatchNormV3's registered gradient computes, on the
                 # rebuilt input (equal to x bit for bit).
                 x2 = rebuild([d_out])
-                library = kernels.library()
-                if library is not None and not tf.config.list_logical_devices("GPU"):
+                library = kernels.cpu_library()
+                if library is not None:
                     # tapehook's kernel writes dx over d_out and does the
                     # ReLU (and its backward) itself: the step holds two
                     # full-size tensors here, not three or four (core/batch_norm.h).
@@ -442,13 +442,11 @@ def _max_pool_keeping_argmax(x, ksize, strides, padding, fuse_relu=False):
     in MaxPoolGrad). ``fuse_relu``: _max_pool_keeping_taps."""
     ksize = [1, *ksize, 1]
     strides = [1, *strides, 1]
-    library = kernels.library()
+    library = kernels.cpu_library()
     # tapehook's kernels (float32, CPU): TF's MaxPoolWithArgmax CPU kernel
     # takes 13x as long at Bi-Real-Net's stem pool (30 against 2.2 ms,
     # 32x56x56x64); both give the same outputs and positions.
-    ours = (
-        library is not None and x.dtype == tf.float32 and not tf.config.list_logical_devices("GPU")
-    )
+    ours = library is not None and x.dtype == tf.float32
     if ours and ksize[1] * ksize[2] <= _MAX_POOL_TAPS:
         return _max_pool_keeping_taps(library, x, ksize, strides, padding, fuse_relu)
     per_image = x.shape[1:].num_elements()

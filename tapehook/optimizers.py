@@ -551,28 +551,31 @@ class Adam(keras.optimizers.Adam):
     others take the separate update and constraint.
     """
 
-    def _fused_clip(self, variable, gradient):
-        """The clip of ``variable`` (a Keras variable) when its update and
-        its WeightClip run as one kernel, else None: the one place that
-        decides. apply suspends the constraint of those variables for the
-        call (Keras then skips it); update_step runs the kernel for a
-        variable whose constraint apply suspended."""
-        constraint = _constraint_of(variable)
-        if not (
-            isinstance(constraint, WeightClip)
-            and type(constraint).__call__ is WeightClip.__call__
-            and gradient is not None
-            and not isinstance(gradient, tf.IndexedSlices)
-            and variable.dtype == "float32"
-            and not getattr(variable, "overwrite_with_gradient", False)
-            and not (self.amsgrad or self.use_ema or self.gradient_accumulation_steps)
+    def _fused_variables(self, grads, variables):
+        """The variables whose update and WeightClip run as one kernel in
+        this apply: the one place that decides. apply suspends their
+        constraint for the call (Keras then skips it); update_step runs the
+        kernel for exactly the variables whose constraint is suspended."""
+        if self.amsgrad or self.use_ema or self.gradient_accumulation_steps:
+            return []
+        if kernels.cpu_library() is None or control_flow_util.GraphOrParentsInXlaContext(
+            ops.get_default_graph()
         ):
-            return None
-        if kernels.library() is None or tf.config.list_logical_devices("GPU"):
-            return None
-        if control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()):
-            return None  # jit_compile=True: the op has no XLA kernel
-        return constraint.clip_value
+            return []  # no kernels, a GPU, or jit_compile=True (no XLA kernel)
+        fused = []
+        for grad, var in zip(grads, variables):
+            suspended = _suspended_constraint(var)  # by another replica's apply
+            constraint = var.constraint if suspended is None else suspended
+            if (
+                isinstance(constraint, WeightClip)
+                and type(constraint).__call__ is WeightClip.__call__
+                and grad is not None
+                and not isinstance(grad, tf.IndexedSlices)
+                and var.dtype == "float32"
+                and not getattr(var, "overwrite_with_gradient", False)
+            ):
+                fused.append(var)
+        return fused
 
     def apply(self, grads, trainable_variables=None):
         grads = list(grads)
@@ -583,8 +586,7 @@ class Adam(keras.optimizers.Adam):
             if trainable_variables is not None
             else getattr(self, "_trainable_variables", [])
         )
-        fused = [v for g, v in zip(grads, variables) if self._fused_clip(v, g) is not None]
-        with _constraints_applied_in_update(fused):
+        with _constraints_applied_in_update(self._fused_variables(grads, variables)):
             return super().apply(grads, trainable_variables)
 
     def update_step(self, gradient, variable, learning_rate):
@@ -610,34 +612,26 @@ class Adam(keras.optimizers.Adam):
             grad=tf.cast(gradient, dtype),
         )
         # Fused exactly where apply suspended the constraint (its decision).
-        clip = _suspended_clip(self._trainable_variables[index])
+        clip = _suspended_constraint(self._trainable_variables[index])
         if clip is None:
             tf.raw_ops.ResourceApplyAdam(**inputs)
         else:
-            kernels.library().tapehook_resource_apply_adam_clip(**inputs, clip=clip)
+            kernels.library().tapehook_resource_apply_adam_clip(**inputs, clip=clip.clip_value)
 
 
 # Keras's Optimizer.apply assigns each variable's constraint after the update;
-# for the variables whose update already clipped (Adam._fused_clip) it reads
+# for the variables whose update already clipped (Adam._fused_variables) it reads
 # None meanwhile. Replicas under MirroredStrategy run apply on threads at the
 # same time, so entries count: the last one out puts the constraint back.
 _suspended_lock = threading.Lock()
 _suspended = {}  # id(variable) -> [constraint, depth]
 
 
-def _constraint_of(var):
-    """var's constraint, also while apply has it suspended."""
+def _suspended_constraint(var):
+    """var's constraint while an apply has it suspended, else None."""
     with _suspended_lock:
         entry = _suspended.get(id(var))
-    return entry[0] if entry is not None else var.constraint
-
-
-def _suspended_clip(var):
-    """The clip value of var's WeightClip while apply has it suspended, else
-    None."""
-    with _suspended_lock:
-        entry = _suspended.get(id(var))
-    return entry[0].clip_value if entry is not None else None
+    return entry[0] if entry is not None else None
 
 
 @contextlib.contextmanager
