@@ -22,7 +22,9 @@ tests/test_bench_models.py checks the parameter counts agree):
   norm ``tapehook.layers.BatchNormalization`` and ``tapehook.optimizers.Adam``
   (TF's fused kernels, as tf-keras trains with) instead of Keras 3's, and
   every max pool ``tapehook.layers.MaxPooling2D`` (its backward reads the
-  window taps it kept, not the pool's float input and output);
+  window taps it kept, not the pool's float input and output), every
+  residual add ``tapehook.layers.Add`` (in ``predict``, the binary conv
+  before it adds);
 - ``tapehook-recompute``: ``tapehook-fused`` with ``BatchNormalization(
   recompute=True)`` and ``MaxPooling2D(fuse_relu=True)``: the step keeps no
   conv's float output for its batch norm (it rebuilds them in the backward)
@@ -120,14 +122,18 @@ _PACK_INPUTS = os.environ.get("TAPEHOOK_PACK_INPUTS", "1")  # as the run was sta
 # with "binary" (tapehook.binarize(include="binary*")).
 
 
-def birealnet18(K, binary_conv, size, classes=CLASSES, filters=64, batch_norm=None, max_pool=None):
+def birealnet18(
+    K, binary_conv, size, classes=CLASSES, filters=64, batch_norm=None, max_pool=None, add=None
+):
     """Bi-Real-Net-18 (Liu et al. 2018, larq-zoo): float 7x7 stem, 16 binary
     3x3 convs each with BN and a float shortcut (on downsampling: 2x2 average
     pool, 1x1 conv, BN), global average pool, float classifier. ``batch_norm``
-    / ``max_pool``: the BN / max-pool layer classes (default Keras's)."""
+    / ``max_pool`` / ``add``: the BN / max-pool / add layer classes (default
+    Keras's)."""
     L = K.layers
     BN = batch_norm or L.BatchNormalization
     MaxPool = max_pool or L.MaxPooling2D
+    Add = add or L.Add
     inputs = K.Input((size, size, 3))
     x = L.Conv2D(
         filters,
@@ -152,7 +158,7 @@ def birealnet18(K, binary_conv, size, classes=CLASSES, filters=64, batch_norm=No
             shortcut = BN(momentum=0.8)(shortcut)
         y = binary_conv(f"binary{i}", width, 3, strides, None)(x)
         y = BN(momentum=0.8)(y)
-        x = L.Add()([y, shortcut])
+        x = Add()([y, shortcut])
     x = L.GlobalAveragePooling2D()(x)
     outputs = L.Dense(classes, activation="softmax", name="head")(x)
     return K.Model(inputs, outputs, name="birealnet18")
@@ -177,17 +183,19 @@ def quicknet_small(
     blocks=(4, 4, 4, 4),
     batch_norm=None,
     max_pool=None,
+    add=None,
 ):
     """QuickNet-small (larq-zoo, v1.0): stem (3x3/2 conv, BN, ReLU, 3x3/2
     depthwise, BN, 1x1 conv, BN); per section, a float transition where the
     width changes (ReLU, 2x2 max pool stride 1, fixed blur-pool depthwise
     3x3/2, 1x1 conv, BN), then residual blocks x + BN(ReLU(binary 3x3 conv
     padded with +1 (x))); ReLU, global average pool, float classifier.
-    ``batch_norm`` / ``max_pool``: the BN / max-pool layer classes (default
-    Keras's)."""
+    ``batch_norm`` / ``max_pool`` / ``add``: the BN / max-pool / add layer
+    classes (default Keras's)."""
     L = K.layers
     BN = batch_norm or L.BatchNormalization
     MaxPool = max_pool or L.MaxPooling2D
+    Add = add or L.Add
     inputs = K.Input((size, size, 3))
     x = L.Conv2D(
         filters[0] // 4,
@@ -232,7 +240,7 @@ def quicknet_small(
                 x = BN(momentum=0.9, epsilon=1e-5)(x)
             y = binary_conv(f"binary{i}", int(x.shape[-1]), 3, 1, "relu")(x)
             y = BN(momentum=0.9, epsilon=1e-5)(y)
-            x = L.Add()([x, y])
+            x = Add()([x, y])
             i += 1
     x = L.ReLU()(x)
     x = L.GlobalAveragePooling2D()(x)
@@ -407,6 +415,9 @@ def build(K, model, impl, estimator, size, **kwargs):
             "max_pool",
             lambda *a, **kw: tapehook.layers.MaxPooling2D(*a, fuse_relu=recompute, **kw),
         )
+        # tapehook's add: in inference, done by the binary conv before it
+        # (its batch norm folded in too)
+        kwargs.setdefault("add", tapehook.layers.Add)
     net = ARCHITECTURES[model](K, binary_conv_factory(K, impl, model, estimator), size, **kwargs)
     if impl in TAPEHOOK_IMPLS:
         import tapehook

@@ -173,6 +173,33 @@ def fold_output_affine(y, affine):
     )
 
 
+def fold_residual_add(y, addend):
+    """``y + addend`` computed by the conv that made ``y`` as it writes its
+    outputs, where ``y`` is the output of a TapehookBinaryConv2DAffine op
+    (fold_output_affine: an inference batch norm folded into a binary conv)
+    that nothing else reads, and ``addend`` a float32 tensor of ``y``'s
+    static shape: each output is the affine op's float output plus the
+    addend, the sum a separate add makes, to the bit. Returns None otherwise.
+    The caller checks that no other layer will read ``y``."""
+    if tf.executing_eagerly() or not tf.is_symbolic_tensor(y) or not isinstance(addend, tf.Tensor):
+        return None  # (an eager tensor, e.g. a constant captured by the graph, has no op)
+    op = y.op
+    if op.type != kernels.AFFINE_OP or y.consumers() or addend.dtype != tf.float32:
+        return None
+    if addend.shape.rank != 4 or addend.shape != y.shape or not y.shape[1:].is_fully_defined():
+        return None  # the same static shape; only the batch may be unknown (checked at run time)
+    x, w, multiplier, offset = op.inputs
+    return kernels.library().tapehook_binary_conv2d_affine_add(
+        x,
+        w,
+        multiplier,
+        offset,
+        addend,
+        relu=op.get_attr("relu"),
+        **kernels.binary_op_attrs(op),
+    )
+
+
 def recompute_output(y):
     """A function ``rebuild(after)`` that computes ``y`` again, bit for bit,
     from what the backward of the binary conv that made it keeps anyway — its

@@ -188,7 +188,7 @@ def binary_conv2d_affine_op_grad(op, grad):
     folded into a binary conv, built where no tape recorded: what
     tf.gradients on such a graph asks for). The conv's output is recomputed
     for the ReLU mask and the multiplier's gradient."""
-    x, w, multiplier, _ = op.inputs
+    x, w, multiplier = op.inputs[:3]
     spec, attrs = BinarySpec.from_op_attrs(op.get_attr), conv_attrs(op.get_attr)
     conv = kernels.library().tapehook_binary_conv2d(x, w, **kernels.binary_op_attrs(op))
     pre = tf.nn.relu(conv) if op.get_attr("relu") else conv
@@ -198,6 +198,13 @@ def binary_conv2d_affine_op_grad(op, grad):
     dx, dw = binary_backward(x, w, d_pre, spec, attrs)
     axes = [0, 1, 2]
     return dx, dw, tf.reduce_sum(grad * pre, axes), tf.reduce_sum(grad, axes)
+
+
+def binary_conv2d_affine_add_op_grad(op, grad):
+    """Gradient of a TapehookBinaryConv2DAffineAdd op (the affine op's
+    output plus an addend: a residual add folded in too): the affine op's
+    gradients, and the addend's, ``grad`` itself."""
+    return (*binary_conv2d_affine_op_grad(op, grad), grad)
 
 
 def binary_conv2d_op_grad(op, grad):

@@ -35,12 +35,15 @@ BINARY_OP = "TapehookBinaryConv2D"  # the compiled forward's op type
 # The fully binary forward with a per-channel affine output transform (an
 # inference batch norm folded in: conv2d.fold_output_affine).
 AFFINE_OP = "TapehookBinaryConv2DAffine"
+# The same plus an addend of the output's shape (the residual add after that
+# batch norm folded in too: conv2d.fold_residual_add).
+AFFINE_ADD_OP = "TapehookBinaryConv2DAffineAdd"
 _COUNT_KINDS = ("forward", "backprop_input", "backprop_filter")
 
 
 def binary_op_attrs(op) -> dict:
-    """The attrs of a TapehookBinaryConv2D(Affine) op that its plain forward
-    takes (all but the inferred T and the affine op's relu)."""
+    """The attrs of a TapehookBinaryConv2D(Affine, AffineAdd) op that its
+    plain forward takes (all but the inferred T and the affine ops' relu)."""
     return {name: op.get_attr(name) for name in op.node_def.attr if name not in ("T", "relu")}
 
 

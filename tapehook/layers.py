@@ -13,6 +13,11 @@ float cost of a training step around the binary kernels
 ``MaxPooling2D`` is Keras 3's layer whose training calls keep the position
 of each window's maximum for the backward instead of the pool's float input
 and output (the stem pool of Bi-Real-Net and ResNets keeps 5x less).
+
+``Add`` is Keras 3's layer whose inference calls, in graphs, let the binary
+conv before it (its batch norm folded in) add the other input as it writes
+its outputs: the residual add of a Bi-Real-Net or QuickNet block costs no
+pass of its own.
 """
 
 import keras
@@ -105,6 +110,29 @@ def _recompute_float_conv(y):
             return conv(input=x, filter=kernel, **attrs)
 
     return rebuild
+
+
+def _read_elsewhere(layer, index=None):
+    """Whether, in the Keras functional graphs ``layer`` is called in, a
+    tensor it reads (its ``index``-th input, or any) is read by another layer
+    too (which would keep an unfolded op computing beside the folded one). A
+    layer called outside functional graphs has no such record; there only
+    readers created before the call are seen (``Tensor.consumers()``)."""
+    for node in getattr(layer, "_inbound_nodes", ()):
+        tensors = node.input_tensors
+        for tensor in tensors if index is None else tensors[index : index + 1]:
+            history = getattr(tensor, "_keras_history", None)
+            producer = history.operation if history else None
+            if producer is None:
+                continue
+            readers = [
+                n
+                for n in getattr(producer, "_outbound_nodes", ())
+                if any(t is tensor for t in n.input_tensors)
+            ]
+            if len(readers) > 1:
+                return True
+    return False
 
 
 def _fused_batch_norm(x, gamma, beta, epsilon):
@@ -270,7 +298,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
             return None
         if tf.as_dtype(self.compute_dtype) != tf.float32 or inputs.dtype != tf.float32:
             return None
-        if inputs.consumers() or self._input_read_elsewhere():
+        if inputs.consumers() or _read_elsewhere(self):
             return None  # another layer reads the conv's output too: fold nothing
         y, affine = inputs, self._inference_affine
         if _is_channels_last(y.op, "BiasAdd") and len(y.op.inputs[0].consumers()) == 1:
@@ -285,27 +313,6 @@ class BatchNormalization(keras.layers.BatchNormalization):
         if folded is None:
             folded = _fold_into_float_conv(y, affine)
         return folded
-
-    def _input_read_elsewhere(self):
-        """Whether, in the Keras functional graphs this layer is called in,
-        a tensor it reads is read by another layer too (which would keep the
-        unfolded conv computing beside the folded one). A layer called
-        outside functional graphs has no such record; there only readers
-        created before this call are seen (``Tensor.consumers()``)."""
-        for node in getattr(self, "_inbound_nodes", ()):
-            for tensor in node.input_tensors:
-                history = getattr(tensor, "_keras_history", None)
-                producer = history.operation if history else None
-                if producer is None:
-                    continue
-                readers = [
-                    n
-                    for n in getattr(producer, "_outbound_nodes", ())
-                    if any(t is tensor for t in n.input_tensors)
-                ]
-                if len(readers) > 1:
-                    return True
-        return False
 
     def _recomputed_batch_norm(self, inputs, gamma, beta):
         """(output, batch mean, batch variance) of the fused batch norm of
@@ -608,3 +615,34 @@ class MaxPooling2D(keras.layers.MaxPooling2D):
             "save_argmax": self.save_argmax,
             "fuse_relu": self.fuse_relu,
         }
+
+
+@keras.saving.register_keras_serializable(package=_PACKAGE)
+class Add(keras.layers.Add):
+    """``keras.layers.Add`` that, in inference graphs, lets the binary conv
+    before it do the add.
+
+    Takes every argument of Keras 3's layer. Where one of two inputs is a
+    ``BatchNormalization``'s inference output folded into a compiled binary
+    conv (that layer's docstring: TapehookBinaryConv2DAffine, CPU, built in
+    a graph — ``tf.function``, Keras ``predict`` — with no tape recording)
+    and no other layer reads it, the conv adds the other input as it writes
+    its outputs (TapehookBinaryConv2DAffineAdd; the output may take over the
+    other input's buffer): one pass over the residual stream less per block
+    of a Bi-Real-Net or QuickNet. Each output is the folded conv's float
+    output plus the other input, the sum a separate add makes, bit for bit;
+    inputs of different static shapes (broadcasting), dtypes other than
+    float32 and every other call compute Keras's add. ``tf.gradients`` of a
+    folded graph is defined. Deploy exports are unaffected.
+    """
+
+    def call(self, inputs):
+        if isinstance(inputs, (list, tuple)) and len(inputs) == 2:
+            for i in (0, 1):
+                y, addend = inputs[i], inputs[1 - i]
+                if _read_elsewhere(self, i):
+                    continue
+                folded = conv2d.fold_residual_add(y, addend)
+                if folded is not None:
+                    return folded
+        return super().call(inputs)

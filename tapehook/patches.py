@@ -413,6 +413,7 @@ def _apply(step) -> None:
 def _install_base() -> None:
     registry.register_gradient(kernels.BINARY_OP, gradient.binary_conv2d_op_grad)
     registry.register_gradient(kernels.AFFINE_OP, gradient.binary_conv2d_affine_op_grad)
+    registry.register_gradient(kernels.AFFINE_ADD_OP, gradient.binary_conv2d_affine_add_op_grad)
     _applied.append((registry, "Conv2D", registry.swap_gradient("Conv2D", gradient.conv2d_grad)))
     # Tapes in graphs record after op callbacks run; override.py picks the
     # gradient of op types overridden on this thread at recording time.

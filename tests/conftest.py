@@ -269,3 +269,34 @@ def run_in_tier(tier, script, *args):
     subprocess.run(
         [sys.executable, "-c", script, *map(str, args)], env=env, check=True, capture_output=True
     )
+
+
+def taped_inference_op_types(net, x):
+    """The op types of a tf.function that calls ``net(x, training=False)``
+    under a GradientTape and asks for the gradient to x (a graph built with
+    a tape recording: nothing may be folded for inference there)."""
+    import tensorflow as tf
+
+    @tf.function
+    def taped(t):
+        with tf.GradientTape() as tape:
+            tape.watch(t)
+            y = net(t, training=False)
+        return tape.gradient(y, t)
+
+    return [op.type for op in taped.get_concrete_function(x).graph.get_operations()]
+
+
+def inference_gradients(net, x, variables):
+    """tf.gradients (no tape, so inference folding happens) of a function of
+    ``net(x, training=False)`` with respect to x and ``variables``, and the
+    op types of its graph."""
+    import tensorflow as tf
+
+    @tf.function
+    def g(t):
+        y = net(t, training=False)
+        return tf.gradients(tf.reduce_sum(y * tf.cos(y)), [t, *variables])
+
+    types = [op.type for op in g.get_concrete_function(x).graph.get_operations()]
+    return g(x), types

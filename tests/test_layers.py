@@ -12,7 +12,7 @@ import tensorflow as tf
 import tapehook
 from tapehook.layers import BatchNormalization
 
-from conftest import fit_mirrored
+from conftest import fit_mirrored, inference_gradients, taped_inference_op_types
 
 CONFIGS = {
     "default": {},
@@ -343,30 +343,13 @@ def test_inference_not_folded_where_it_cannot_be():
     # Under a tape (cache_filter off: a gradient may be asked for) it is not.
     net = _conv_bn()
 
-    @tf.function
-    def taped(t):
-        with tf.GradientTape() as tape:
-            tape.watch(t)
-            y = net(t, training=False)
-        return tape.gradient(y, t)
-
-    assert "TapehookBinaryConv2DAffine" not in [
-        op.type for op in taped.get_concrete_function(x).graph.get_operations()
-    ]
+    assert "TapehookBinaryConv2DAffine" not in taped_inference_op_types(net, x)
 
 
 def _inference_gradients(net, x):
     """tf.gradients (no tape) of an inference output: x, the conv kernel,
     gamma and beta; and the graph's op types."""
-    variables = [net.layers[1].kernel, *net.layers[2].trainable_variables]
-
-    @tf.function
-    def g(t):
-        y = net(t, training=False)
-        return tf.gradients(tf.reduce_sum(y * tf.cos(y)), [t, *variables])
-
-    types = [op.type for op in g.get_concrete_function(x).graph.get_operations()]
-    return g(x), types
+    return inference_gradients(net, x, [net.layers[1].kernel, *net.layers[2].trainable_variables])
 
 
 @pytest.mark.parametrize("activation", [None, "relu"])

@@ -79,12 +79,16 @@ bool BitFilterFits(const BitFilter<T>& f, const ConvShape& s, Scale scale,
 // writes its outputs (an inference batch norm folded in):
 //   y = fma(alpha[o] * multiplier[o], relu ? max(dot, 0) : dot, offset[o])
 // with dot the integer count, so y = multiplier * (relu of the conv's output)
-// + offset up to float rounding (alpha >= 0). [out_c] each.
+// + offset up to float rounding (alpha >= 0). [out_c] each. With `addend`
+// (shaped as y: a residual connection folded in too), that value rounded to
+// T and then + addend[pixel][o]: the sum a separate add of the two would
+// make, to the bit. addend may be y itself (written in place).
 template <typename T>
 struct OutputAffine {
   const T* multiplier = nullptr;
   const T* offset = nullptr;
   bool relu = false;
+  const T* addend = nullptr;
 };
 
 // BinaryConv2DForward(s, x, w, /*binary_input=*/true, scale, y) given

@@ -191,7 +191,7 @@ void BitpackedBlocks512(const ConvShape& s, BitInput input, const T* x,
                         const uint64_t* xb, const uint64_t* wb, int64_t n_pad,
                         const int32_t* tap_count, const T* alpha, T* y,
                         const ParallelFor& parallel_for, const T* offset,
-                        bool relu) {
+                        bool relu, const T* addend) {
   const int64_t C = s.in_c, N = s.out_c;
   const int64_t cw = WordsPerPixel(s);
   const int64_t taps = s.k_h * s.k_w;
@@ -334,6 +334,7 @@ void BitpackedBlocks512(const ConvShape& s, BitInput input, const T* x,
     block.prefetch_lines = lines;
     block.offset = offset;
     block.relu = relu;
+    block.addend = addend != nullptr ? addend + pix0 * N : nullptr;
     simd::BitConv(block, np);
   };
   auto new_scratch = [&] {
@@ -531,6 +532,7 @@ void BitpackedForwardWith(const ConvShape& s, const T* x, const BitFilter<T>& f,
   const T* const alpha_t = affine != nullptr ? folded.data() : f.alpha.data();
   const T* const offset = affine != nullptr ? affine->offset : nullptr;
   const bool relu = affine != nullptr && affine->relu;
+  const T* const addend = affine != nullptr ? affine->addend : nullptr;
   const int64_t pixel_cost = C / PackCostDiv<T>(isa) + 1;
 
 #if TAPEHOOK_HAVE_AVX512_PATH
@@ -565,7 +567,7 @@ void BitpackedForwardWith(const ConvShape& s, const T* x, const BitFilter<T>& f,
 #if TAPEHOOK_HAVE_AVX512_PATH
   if (isa == BitIsa::kAvx512) {
     return BitpackedBlocks512(s, input, x, xb.get(), wb, n_pad, tap_count,
-                              alpha_t, y, parallel_for, offset, relu);
+                              alpha_t, y, parallel_for, offset, relu, addend);
   }
 #endif
 
@@ -645,11 +647,13 @@ void BitpackedForwardWith(const ConvShape& s, const T* x, const BitFilter<T>& f,
             // Exact in int32 and in T (|dot| < 2^24 for any real layer).
             const int32_t all_match = static_cast<int32_t>(valid * C);
             T* out = y + (pix0 + p) * N;
+            const T* add =
+                addend != nullptr ? addend + (pix0 + p) * N : nullptr;
 #if TAPEHOOK_HAVE_AVX2_PATH
             if constexpr (std::is_same_v<T, float>) {
               if (isa == BitIsa::kAvx2) {
-                simd::CountsToOutputs(cnt, all_match, alpha_t, offset, relu, N,
-                                      out);
+                simd::CountsToOutputs(cnt, all_match, alpha_t, offset, relu,
+                                      add, N, out);
                 continue;
               }
             }
@@ -661,9 +665,12 @@ void BitpackedForwardWith(const ConvShape& s, const T* x, const BitFilter<T>& f,
             } else {
               for (int64_t o = 0; o < N; ++o) {
                 const int32_t dot = all_match - 2 * cnt[o];
-                out[o] = std::fma(alpha_t[o],
-                                  static_cast<T>(relu ? std::max(dot, 0) : dot),
-                                  offset[o]);
+                // Rounded to T (a store), then the addend: a separate add's
+                // sum.
+                const T v = std::fma(
+                    alpha_t[o], static_cast<T>(relu ? std::max(dot, 0) : dot),
+                    offset[o]);
+                out[o] = add != nullptr ? v + add[o] : v;
               }
             }
           }

@@ -234,10 +234,13 @@ TAPEHOOK_AVX2 inline __m256 OutputsOf(__m256i cnt, __m256i match, __m256 a,
   return _mm256_fmadd_ps(a, _mm256_cvtepi32_ps(dot), *offset);
 }
 
+// addend (with offset only; may be out): added to the transform's float
+// result, as a separate add would.
 TAPEHOOK_AVX2 inline void CountsToOutputs(const int32_t* counts,
                                           int32_t all_match, const float* alpha,
                                           const float* offset, bool relu,
-                                          int64_t n, float* out) {
+                                          const float* addend, int64_t n,
+                                          float* out) {
   const __m256i match = _mm256_set1_epi32(all_match);
   int64_t o = 0;
   for (; o + 8 <= n; o += 8) {
@@ -245,18 +248,22 @@ TAPEHOOK_AVX2 inline void CountsToOutputs(const int32_t* counts,
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(counts + o));
     __m256 off;
     if (offset != nullptr) off = _mm256_loadu_ps(offset + o);
-    _mm256_storeu_ps(out + o,
-                     OutputsOf(cnt, match, _mm256_loadu_ps(alpha + o),
-                               offset != nullptr ? &off : nullptr, relu));
+    __m256 v = OutputsOf(cnt, match, _mm256_loadu_ps(alpha + o),
+                         offset != nullptr ? &off : nullptr, relu);
+    if (addend != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(addend + o));
+    _mm256_storeu_ps(out + o, v);
   }
   if (o == n) return;
   const __m256i mask = TailMask(n - o);
   __m256 off;
   if (offset != nullptr) off = _mm256_maskload_ps(offset + o, mask);
-  _mm256_maskstore_ps(out + o, mask,
-                      OutputsOf(_mm256_maskload_epi32(counts + o, mask), match,
-                                _mm256_maskload_ps(alpha + o, mask),
-                                offset != nullptr ? &off : nullptr, relu));
+  __m256 v = OutputsOf(_mm256_maskload_epi32(counts + o, mask), match,
+                       _mm256_maskload_ps(alpha + o, mask),
+                       offset != nullptr ? &off : nullptr, relu);
+  if (addend != nullptr) {
+    v = _mm256_add_ps(v, _mm256_maskload_ps(addend + o, mask));
+  }
+  _mm256_maskstore_ps(out + o, mask, v);
 }
 
 // 1.0f or 0.0f per lane for channels c .. c + 7 of ScaleByMaskBits' row.

@@ -163,6 +163,9 @@ TAPEHOOK_AVX512 void PackWeightTap512(const float* w, int64_t cin, int64_t n,
 //
 //   y[r * ldy + o] = fma(alpha[o], dot, offset[o])
 //
+// plus addend[r * ldy + o] where an addend is given (a residual add folded
+// in: the fma's float result plus the addend, as a separate add sums them),
+//
 // bias[r][o] being the all-match count of the valid taps plus twice what the
 // zero words of padding taps added to the popcount. Spread over the tiles,
 // the block also prefetches `prefetch_lines` cache lines from `prefetch` into
@@ -183,22 +186,31 @@ struct BitConvBlock {
   int64_t prefetch_lines;
   const T* offset = nullptr;  // the output transform's, or none
   bool relu = false;
+  const T* addend =
+      nullptr;  // [rows][ldy] added last (with offset only), or none
 };
 
-// alpha * dot, or the output transform's fma(alpha, relu?(dot), offset),
-// for the lanes in k.
+// alpha * dot, or the output transform's fma(alpha, relu?(dot), offset)
+// (+ row r's addend), for the lanes in k.
 TAPEHOOK_AVX512 inline __m512 Finish(const BitConvBlock<float>& a, __m512 alpha,
-                                     __m512 dot, int64_t o, __mmask16 k) {
+                                     __m512 dot, int64_t r, int64_t o,
+                                     __mmask16 k) {
   if (a.offset == nullptr) return _mm512_mul_ps(alpha, dot);
   if (a.relu) dot = _mm512_max_ps(dot, _mm512_setzero_ps());
-  return _mm512_fmadd_ps(alpha, dot, _mm512_maskz_loadu_ps(k, a.offset + o));
+  const __m512 v =
+      _mm512_fmadd_ps(alpha, dot, _mm512_maskz_loadu_ps(k, a.offset + o));
+  if (a.addend == nullptr) return v;
+  return _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, a.addend + r * a.ldy + o));
 }
 TAPEHOOK_AVX512 inline __m512d Finish(const BitConvBlock<double>& a,
-                                      __m512d alpha, __m512d dot, int64_t o,
-                                      __mmask8 k) {
+                                      __m512d alpha, __m512d dot, int64_t r,
+                                      int64_t o, __mmask8 k) {
   if (a.offset == nullptr) return _mm512_mul_pd(alpha, dot);
   if (a.relu) dot = _mm512_max_pd(dot, _mm512_setzero_pd());
-  return _mm512_fmadd_pd(alpha, dot, _mm512_maskz_loadu_pd(k, a.offset + o));
+  const __m512d v =
+      _mm512_fmadd_pd(alpha, dot, _mm512_maskz_loadu_pd(k, a.offset + o));
+  if (a.addend == nullptr) return v;
+  return _mm512_add_pd(v, _mm512_maskz_loadu_pd(k, a.addend + r * a.ldy + o));
 }
 
 // Register tile: kConvMR pixels by NQ (<= kConvNQ) zmm of 8 output channels.
@@ -263,9 +275,10 @@ TAPEHOOK_AVX512 inline void BitConvTile(const BitConvBlock<T>& a, int64_t r0,
                                                       acc[i][pair ? q + 1 : q]);
         const __m512i dot = _mm512_sub_epi32(
             _mm512_maskz_loadu_epi32(k, bias + o), _mm512_add_epi32(cnt, cnt));
-        _mm512_mask_storeu_ps(out + o, k,
-                              Finish(a, _mm512_maskz_loadu_ps(k, a.alpha + o),
-                                     _mm512_maskz_cvtepi32_ps(k, dot), o, k));
+        _mm512_mask_storeu_ps(
+            out + o, k,
+            Finish(a, _mm512_maskz_loadu_ps(k, a.alpha + o),
+                   _mm512_maskz_cvtepi32_ps(k, dot), r0 + i, o, k));
       }
     } else {
 #pragma GCC unroll 4
@@ -276,9 +289,10 @@ TAPEHOOK_AVX512 inline void BitConvTile(const BitConvBlock<T>& a, int64_t r0,
         const __m256i cnt = _mm512_maskz_cvtepi64_epi32(0xff, acc[i][q]);
         const __m256i dot = _mm256_sub_epi32(
             _mm256_maskz_loadu_epi32(k, bias + o), _mm256_add_epi32(cnt, cnt));
-        _mm512_mask_storeu_pd(out + o, k,
-                              Finish(a, _mm512_maskz_loadu_pd(k, a.alpha + o),
-                                     _mm512_maskz_cvtepi32_pd(k, dot), o, k));
+        _mm512_mask_storeu_pd(
+            out + o, k,
+            Finish(a, _mm512_maskz_loadu_pd(k, a.alpha + o),
+                   _mm512_maskz_cvtepi32_pd(k, dot), r0 + i, o, k));
       }
     }
   }
@@ -350,7 +364,7 @@ TAPEHOOK_AVX512 void BitConvShortK(const BitConvBlock<float>& a, int64_t rows) {
                              _mm512_add_epi32(cnt, cnt));
         _mm512_mask_storeu_ps(
             out + 16 * h, keep[h],
-            Finish(a, alpha[h], _mm512_maskz_cvtepi32_ps(keep[h], dot),
+            Finish(a, alpha[h], _mm512_maskz_cvtepi32_ps(keep[h], dot), r,
                    j + 16 * h, keep[h]));
       }
     }

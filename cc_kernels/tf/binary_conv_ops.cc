@@ -93,18 +93,22 @@ REGISTER_OP("TapehookBinaryConv2D")
         "the same (only for filters read from resource variables, whose "
         "writes never touch a buffer that is still referenced).");
 
+// The folded forwards' attrs: the forward's, and relu (max(conv, 0) first).
+#define TAPEHOOK_AFFINE_ATTRS                           \
+  TAPEHOOK_CONV_ATTRS.Attr("cache_filter: bool = true") \
+      .Attr("activation_clip: float = -1.0")            \
+      .Attr("activation_clip_f64_bits: int = 0")        \
+      .Attr("beta: float = 5.0")                        \
+      .Attr("pad_value: float = 0.0")                   \
+      .Attr("relu: bool = false")
+
 REGISTER_OP("TapehookBinaryConv2DAffine")
     .Input("input: T")
     .Input("filter: T")
     .Input("multiplier: T")
     .Input("offset: T")
     .Output("output: T")
-    .TAPEHOOK_CONV_ATTRS.Attr("cache_filter: bool = true")
-    .Attr("activation_clip: float = -1.0")
-    .Attr("activation_clip_f64_bits: int = 0")
-    .Attr("beta: float = 5.0")
-    .Attr("pad_value: float = 0.0")
-    .Attr("relu: bool = false")
+    .TAPEHOOK_AFFINE_ATTRS
     .SetShapeFn(::tensorflow::shape_inference::Conv2DShapeWithExplicitPadding)
     .Doc(
         "multiplier * relu?(TapehookBinaryConv2D(input, filter)) + offset, per "
@@ -113,6 +117,30 @@ REGISTER_OP("TapehookBinaryConv2DAffine")
         "into the conv (tapehook/layers.py). Binary input only "
         "(activation_estimator other than 'none'), with cache_filter; "
         "float only.");
+
+REGISTER_OP("TapehookBinaryConv2DAffineAdd")
+    .Input("input: T")
+    .Input("filter: T")
+    .Input("multiplier: T")
+    .Input("offset: T")
+    .Input("addend: T")
+    .Output("output: T")
+    .TAPEHOOK_AFFINE_ATTRS
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      TF_RETURN_IF_ERROR(
+          ::tensorflow::shape_inference::Conv2DShapeWithExplicitPadding(c));
+      shape_inference::ShapeHandle merged;
+      TF_RETURN_IF_ERROR(c->Merge(c->output(0), c->input(4), &merged));
+      c->set_output(0, merged);
+      return absl::OkStatus();
+    })
+    .Doc(
+        "TapehookBinaryConv2DAffine(input, filter, multiplier, offset) + "
+        "addend (shaped as the output), the sum made as the conv writes its "
+        "outputs: an inference batch norm and the residual add after it "
+        "folded into the conv (tapehook/layers.py Add). Each output is the "
+        "affine op's float output plus the addend, as a separate AddV2 "
+        "sums them. The output may take over the addend's buffer.");
 
 REGISTER_OP("TapehookBinaryConv2DBackpropInput")
     .Input("input: T")
@@ -200,20 +228,26 @@ class BinaryConv2DOp : public OpKernel {
   explicit BinaryConv2DOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ParseAttrs(ctx, &attrs_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("cache_filter", &cache_filter_));
-    affine_ = def().op() == "TapehookBinaryConv2DAffine";
+    add_ = def().op() == "TapehookBinaryConv2DAffineAdd";
+    affine_ = add_ || def().op() == "TapehookBinaryConv2DAffine";
     if (affine_) {
       OP_REQUIRES_OK(ctx, ctx->GetAttr("relu", &relu_));
-      OP_REQUIRES(ctx, attrs_.act_est != Estimator::kNone && cache_filter_,
-                  absl::InvalidArgumentError(
-                      "TapehookBinaryConv2DAffine runs the fully binary "
-                      "forward: it needs activation_estimator != 'none' and "
-                      "cache_filter = true"));
+      OP_REQUIRES(
+          ctx, attrs_.act_est != Estimator::kNone && cache_filter_,
+          absl::InvalidArgumentError(
+              def().op() + " runs the fully binary forward: it needs "
+                           "activation_estimator != 'none' and cache_filter = "
+                           "true"));
     }
   }
   void Compute(OpKernelContext* ctx) override {
     ConvShape s;
     Tensor* y = nullptr;
-    OP_REQUIRES_OK(ctx, PrepareForward(ctx, attrs_, &s, &y));
+    if (add_) {
+      OP_REQUIRES_OK(ctx, PrepareForwardAdd(ctx, &s, &y));
+    } else {
+      OP_REQUIRES_OK(ctx, PrepareForward(ctx, attrs_, &s, &y));
+    }
     if (y->NumElements() == 0) return;
     Widened<T> xw(ctx->input(0));
     WidenedOut<T> out(y);
@@ -225,17 +259,22 @@ class BinaryConv2DOp : public OpKernel {
         OP_REQUIRES(
             ctx,
             ctx->input(i).dims() == 1 && ctx->input(i).dim_size(0) == s.out_c,
-            absl::InvalidArgumentError(
-                "TapehookBinaryConv2DAffine: multiplier and offset must be "
-                "[out_c] = [" +
-                std::to_string(s.out_c) + "]; got " +
-                ctx->input(i).shape().DebugString()));
+            absl::InvalidArgumentError(def().op() +
+                                       ": multiplier and offset must be "
+                                       "[out_c] = [" +
+                                       std::to_string(s.out_c) + "]; got " +
+                                       ctx->input(i).shape().DebugString()));
       }
       multiplier.emplace(ctx->input(2));
       offset.emplace(ctx->input(3));
       affine.multiplier = multiplier->data();
       affine.offset = offset->data();
       affine.relu = relu_;
+      if (add_) {
+        if constexpr (std::is_same_v<C, T>) {
+          affine.addend = ctx->input(4).flat<T>().data();
+        }
+      }
     }
     Impl impl;
     OP_REQUIRES_OK(ctx, PlanFor(attrs_, ConvOp::kForward, s, false,
@@ -264,6 +303,24 @@ class BinaryConv2DOp : public OpKernel {
   }
 
  private:
+  // PrepareForward for TapehookBinaryConv2DAffineAdd: the addend must have
+  // the output's shape; the output takes over the addend's buffer where
+  // nothing else holds it (TF's forwarding: a buffer another tensor
+  // references, the conv's own input included, is never forwarded).
+  absl::Status PrepareForwardAdd(OpKernelContext* ctx, ConvShape* s,
+                                 Tensor** y) {
+    TF_RETURN_IF_ERROR(
+        MakeShape(attrs_, ctx->input(0).shape(), ctx->input(1).shape(), s));
+    const TensorShape shape({s->batch, s->out_h, s->out_w, s->out_c});
+    if (ctx->input(4).shape() != shape) {
+      return absl::InvalidArgumentError(
+          "TapehookBinaryConv2DAffineAdd: addend must have the output's "
+          "shape " +
+          shape.DebugString() + "; got " + ctx->input(4).shape().DebugString());
+    }
+    return ctx->forward_input_or_allocate_output({4}, 0, shape, y);
+  }
+
   // The float-input forward on AMX with a kept filter side (sign(W) as the
   // GEMM's B, alpha); false where it does not run (no cache_filter, binary
   // input, or a plan other than AMX): the caller then runs
@@ -323,7 +380,8 @@ class BinaryConv2DOp : public OpKernel {
 
   ConvAttrs attrs_;
   bool cache_filter_ = false;
-  bool affine_ = false;  // TapehookBinaryConv2DAffine
+  bool affine_ = false;  // TapehookBinaryConv2DAffine(Add)
+  bool add_ = false;     // TapehookBinaryConv2DAffineAdd
   bool relu_ = false;
   std::mutex mu_;
   Tensor kept_;  // the filter tensor the kept filter was packed from
@@ -1053,6 +1111,10 @@ using BackpropFilterOp = BinaryConv2DBackpropOp<T, true>;
                           PackedBackpropFilterOp<T>);
 
 REGISTER_KERNEL_BUILDER(Name("TapehookBinaryConv2DAffine")
+                            .Device(DEVICE_CPU)
+                            .TypeConstraint<float>("T"),
+                        BinaryConv2DOp<float>);
+REGISTER_KERNEL_BUILDER(Name("TapehookBinaryConv2DAffineAdd")
                             .Device(DEVICE_CPU)
                             .TypeConstraint<float>("T"),
                         BinaryConv2DOp<float>);

@@ -876,6 +876,33 @@ void TestBitpackedTiers() {
                         tag.c_str());
             ok = false;
           }
+          // With an addend (a residual add folded in): the transform's output
+          // plus the addend in T, to the bit, also written in place over the
+          // addend.
+          std::vector<T> addend(a.size());
+          for (T& v : addend) v = static_cast<T>(4 * u(rng) - 2);
+          tapehook::OutputAffine<T> with_add = affine;
+          with_add.addend = addend.data();
+          std::vector<T> sum = NaNs<T>(a.size());
+          tapehook::BinaryConv2DForwardBinary<T>(s, x.data(), filter,
+                                                 sum.data(), f.pf, &with_add);
+          std::vector<T> in_place = addend;
+          with_add.addend = in_place.data();
+          tapehook::BinaryConv2DForwardBinary<T>(
+              s, x.data(), filter, in_place.data(), f.pf, &with_add);
+          for (size_t k = 0; k < a.size(); ++k) {
+            const T want = a[k] + addend[k];
+            if (!BitwiseEqual(&sum[k], &want, sizeof(T)) ||
+                !BitwiseEqual(&in_place[k], &want, sizeof(T))) {
+              std::printf(
+                  "  affine + addend forward%s at %zu: %.9g / %.9g in place, "
+                  "want %.9g\n",
+                  tag.c_str(), k, static_cast<double>(sum[k]),
+                  static_cast<double>(in_place[k]), static_cast<double>(want));
+              ok = false;
+              break;
+            }
+          }
         }
       }
     };
