@@ -34,7 +34,9 @@ tests/test_bench_models.py checks the parameter counts agree):
   binary16 e'(x) / as x instead of the default 16-bit fixed-point e'(x));
   ``tapehook-recompute-early``: recompute only on the batch norms of fewer
   than 256 channels (stem and first two stages); the later, smaller outputs
-  are kept and not rebuilt;
+  are kept and not rebuilt; ``tapehook-recompute-early-bf16x2``: the same
+  with ``TAPEHOOK_BACKPROP_DY=bf16x2`` (the AMX backprops' dy in two bf16
+  parts, 16 significant bits, instead of three exact ones);
 - ``larq``: ``lq.layers.QuantConv2D`` on tf-keras (TF_USE_LEGACY_KERAS=1), run
   with the python of a side environment (``--larq-python``; skipped when absent).
 
@@ -88,6 +90,7 @@ IMPLS = (
     "tapehook-recompute-f16",
     "tapehook-recompute-x",
     "tapehook-recompute-early",
+    "tapehook-recompute-early-bf16x2",
     "larq",
 )
 # "-fused": the model's batch norms tapehook.layers.BatchNormalization, its max
@@ -107,12 +110,19 @@ PACK_SETTINGS = {"tapehook-recompute-f16": "float16", "tapehook-recompute-x": "f
 # costs 9 x in_channels multiply-adds per output element, the same per layer
 # across stages, while its output shrinks 2x per stage); the later stages
 # keep their conv outputs and skip the rebuild.
-RECOMPUTE_BELOW_CHANNELS = {"tapehook-recompute-early": 256}
+RECOMPUTE_BELOW_CHANNELS = {
+    "tapehook-recompute-early": 256,
+    "tapehook-recompute-early-bf16x2": 256,
+}
+# "-bf16x2": the AMX backprops split dy into two bf16 parts instead of three
+# (TAPEHOOK_BACKPROP_DY=bf16x2: dy to 16 significant bits; opt-in).
+BACKPROP_DY_SETTINGS = {"tapehook-recompute-early-bf16x2": "bf16x2"}
 RECOMPUTE_IMPLS = ("tapehook-recompute", *PACK_SETTINGS, *RECOMPUTE_BELOW_CHANNELS)
 FUSED_IMPLS = ("float-fused", "tapehook-fused", *RECOMPUTE_IMPLS)
 TAPEHOOK_IMPLS = ("tapehook", "tapehook-fused", *RECOMPUTE_IMPLS)
 FLOAT_IMPLS = ("float", "float-fused")
 _PACK_INPUTS = os.environ.get("TAPEHOOK_PACK_INPUTS", "1")  # as the run was started
+_BACKPROP_DY = os.environ.get("TAPEHOOK_BACKPROP_DY", "exact")
 
 
 # ---------------------------------------------------------------------------
@@ -425,6 +435,7 @@ def build(K, model, impl, estimator, size, **kwargs):
         # Each binary conv's forward reads it (traced after this): set per
         # implementation, so configurations built in one process differ only so.
         os.environ["TAPEHOOK_PACK_INPUTS"] = PACK_SETTINGS.get(impl, _PACK_INPUTS)
+        os.environ["TAPEHOOK_BACKPROP_DY"] = BACKPROP_DY_SETTINGS.get(impl, _BACKPROP_DY)
 
         tapehook.binarize(net, include="binary*", **tapehook_spec(model, estimator))
     return net

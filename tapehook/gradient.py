@@ -151,6 +151,7 @@ def binary_backward(x, w, dy, spec, attrs, skip=()):
     """(dX, dW), None where skipped. ``x`` may be the PackedInput kept instead
     of the input. Each backprop takes its own path (the dispatcher may split
     them)."""
+    kernels.backprop_dy()  # a bad TAPEHOOK_BACKPROP_DY fails here
     packed = isinstance(x, PackedInput)
     paths = {
         op: dispatch.backprop_path(

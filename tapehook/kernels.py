@@ -39,6 +39,22 @@ AFFINE_OP = "TapehookBinaryConv2DAffine"
 # batch norm folded in too: conv2d.fold_residual_add).
 AFFINE_ADD_OP = "TapehookBinaryConv2DAffineAdd"
 _COUNT_KINDS = ("forward", "backprop_input", "backprop_filter")
+# TAPEHOOK_BACKPROP_DY: how the AMX backprops split dy into bf16 parts
+# (cc_kernels/core/amx_conv.h, which reads it per call): "exact" (default;
+# three parts, every product exact) or "bf16x2" (two parts: dy to 16
+# significant bits, |error| <= 2^-16 |dy| per product; 2/3 of the work).
+BACKPROP_DY_MODES = ("exact", "bf16x2")
+
+
+def backprop_dy() -> str:
+    """The TAPEHOOK_BACKPROP_DY setting, checked (read where a binary
+    backward is built, so a bad value fails there, not silently in C++)."""
+    value = os.environ.get("TAPEHOOK_BACKPROP_DY", "exact")
+    if value not in BACKPROP_DY_MODES:
+        raise TapehookError(
+            f"TAPEHOOK_BACKPROP_DY={value!r}; use one of {BACKPROP_DY_MODES} (unset is 'exact')"
+        )
+    return value
 
 
 def binary_op_attrs(op) -> dict:

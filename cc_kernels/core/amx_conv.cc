@@ -15,6 +15,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -31,6 +33,11 @@ namespace tapehook {
 namespace amx {
 
 bool Usable() { return TAPEHOOK_HAVE_AMX_PATH && cpu::Amx(); }
+
+int DyParts() {
+  const char* v = std::getenv("TAPEHOOK_BACKPROP_DY");
+  return v != nullptr && std::strcmp(v, "bf16x2") == 0 ? 2 : 3;
+}
 
 bool Supports(const ConvQuery& q) {
   // Unknown sizes (-1) do not exclude: the op checks again with all known.
@@ -160,7 +167,8 @@ bool BackpropInputImpl(const ConvShape& s, const float* x,
   g.o_pairs = c_pairs;  // the GEMM's output columns are dx's channels
   g.q_pairs = q_pairs;
   g.o_group = OGroup(c_pairs, taps, kp);
-  g.fill = SplitFill(grid, dy, alpha ? scale.data() : nullptr, O, kp);
+  g.parts = DyParts();
+  g.fill = SplitFill(grid, dy, alpha ? scale.data() : nullptr, O, kp, g.parts);
   g.rows = rows;
   g.max_off = tp.max_off;
   RunShiftedGemm(
@@ -264,6 +272,9 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
       });
 
   static const int kBinX[] = {0, 0, 0}, kBinD[] = {0, 1, 2};
+  // dy's parts: the binary-input dW's products x_hat * part are exact for
+  // any split; a float x keeps the exact split (its six products).
+  const int dy_parts = binary ? DyParts() : 3;
   static const int kFloatX[] = {0, 0, 0, 1, 1, 2},
                    kFloatD[] = {0, 1, 2, 0, 1, 0};
   const int64_t c_pairs = c_pad / 32, o_pairs = o_pad / 32;
@@ -329,7 +340,7 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
       const int64_t a = grid.OutPixel(2 * pr), b = grid.OutPixel(2 * pr + 1);
       InterleaveSplitPair(a < 0 ? nullptr : dy + a * O + o0,
                           b < 0 ? nullptr : dy + b * O + o0, n, 32,
-                          (pr - q0 / 2) * 64, out);
+                          (pr - q0 / 2) * 64, out, dy_parts);
     }
   };
   g.q_len = q_len;
@@ -341,7 +352,7 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
   g.c_group = c_group;
   g.x_of = binary ? kBinX : kFloatX;
   g.d_of = binary ? kBinD : kFloatD;
-  g.n_pairs = binary ? 3 : 6;
+  g.n_pairs = binary ? dy_parts : 6;
   g.partial = partial_buf ? reinterpret_cast<float*>(partial_buf->p) : nullptr;
   if (k_blocks == 1) g.finish = finish;
   parallel_for(k_blocks * o_pairs * c_groups,

@@ -15,6 +15,15 @@
 // mid_x*mid_d are kept: the dropped ones (mid*lo, lo*mid, lo*lo) add up to
 // less than 2^-23 of |x*d|, about one fp32 rounding.
 //
+// Opt-in, the backprops may split dy (the float operand of backprop-input,
+// and of a binary-input backprop-filter) into two parts instead: hi by
+// truncation and mid = dy - hi rounded to the nearest bf16, so hi + mid is
+// dy to 16 significant bits (|dy - hi - mid| <= 2^-16 |dy|, unbiased), and
+// the GEMMs do 2/3 of the work. DyParts() says which: 2 where the
+// environment has TAPEHOOK_BACKPROP_DY=bf16x2 (read per call; tapehook/
+// kernels.py checks the value), else 3. The forward and a weight-only
+// conv's backprop-filter always split exactly.
+//
 // Scope: float32, stride 1 (any dilation and padding; backprop-input needs
 // pad_top <= (k_h - 1) * dil_h and likewise for the width, true for SAME and
 // VALID). Each entry point returns false without writing anything when AMX is
@@ -34,6 +43,9 @@ namespace amx {
 // True when the AMX kernels may run here (cpu::Amx(), cpu.h) and this
 // compiler built them.
 bool Usable();
+
+// The parts dy is split into by the backprops: 3 (exact) or 2 (above).
+int DyParts();
 
 // Whether the AMX kernels take this conv (ignores Usable(); sizes of -1 count
 // as taken). The one statement of their scope: Capabilities() (plan.h) asks

@@ -21,7 +21,8 @@ namespace amx {
 // ---------------------------------------------------------------------------
 // Shifted GEMM: C[q, o] = sum_t sum_k A[q + off[t], k] * B_t[k, o].
 // A: rows of 3 * kp bf16 (kp % 32 == 0; ARowStride apart): the hi, mid and lo
-// parts of one pixel's k values, each part zero-padded to kp. The parts
+// parts of one pixel's k values, each part zero-padded to kp (2 * kp with
+// `parts` == 2: hi and a rounded mid, kDyParts2 in amx_conv.h). The parts
 // multiply the same B, so B_t is [kp, o] and each B tile is loaded once for
 // three A tiles. B: [o_pairs][taps][kp / 32][2 tiles][16 k-pairs][16 cols][2]
 // (AMX's pair-interleaved layout), so one o pair's B is contiguous.
@@ -37,13 +38,14 @@ namespace amx {
 // then an odd number of lines apart and fall into 16 different L1 sets; at
 // 3 * kp * 2 bytes (kp = 512: 48 lines) they fell into 4, and the forward
 // and backprop-input re-read A from L2 (bench/backprops.py, 7x7x512).
-inline int64_t ARowStride(int64_t kp) {
-  const int64_t lines = 3 * kp / 32;
+inline int64_t ARowStride(int64_t kp, int parts = 3) {
+  const int64_t lines = parts * kp / 32;
   return (lines % 2 == 0 ? lines + 1 : lines) * 32;
 }
 
 struct ShiftedGemm {
   int64_t kp;
+  int parts = 3;  // of A's values (B holds exact +-1 / 0)
   const int64_t* off;
   int64_t taps;
   const uint16_t* b;
@@ -87,7 +89,8 @@ TAPEHOOK_AMX inline void ShiftedGemmUnits(const ShiftedGemm& g, int64_t u0,
                                           int64_t u1, const BlockStore& store) {
   ConfigureTiles();
   alignas(64) float c[4][256];
-  const int64_t chunks = g.kp / 32, ka = ARowStride(g.kp), lda = ka * 2;
+  const int64_t chunks = g.kp / 32, ka = ARowStride(g.kp, g.parts);
+  const int64_t lda = ka * 2;
   const int64_t win_rows = 32 * WindowPairs(ka) + g.max_off;
   Buffer win(win_rows * ka);
   int64_t win_begin = 0, win_end = 0;  // rows held by the window
@@ -113,7 +116,7 @@ TAPEHOOK_AMX inline void ShiftedGemmUnits(const ShiftedGemm& g, int64_t u0,
       for (int64_t kc = 0; kc < chunks; ++kc, bt += 1024) {
         _tile_loadd(6, bt, 64);
         _tile_loadd(7, bt + 512, 64);
-        for (int64_t part = 0; part < 3; ++part) {
+        for (int64_t part = 0; part < g.parts; ++part) {
           const uint16_t* ap = a0 + part * g.kp + kc * 32;
           _tile_loadd(4, ap, lda);
           _tile_loadd(5, ap + 16 * ka, lda);
@@ -232,14 +235,15 @@ inline std::unique_ptr<Buffer> SignB(const float* w, int64_t taps, int64_t C,
 // hi, mid and lo parts of kp values each (zero-padded), zeros for padding.
 inline void FillSplitRange(const Grid& grid, const float* data,
                            const float* scale, int64_t channels, int64_t kp,
-                           int64_t r0, int64_t r1, uint16_t* dst) {
-  const int64_t ka = ARowStride(kp);
+                           int64_t r0, int64_t r1, uint16_t* dst,
+                           int parts = 3) {
+  const int64_t ka = ARowStride(kp, parts);
   grid.Walk(r0, r1 - r0, /*data=*/true, [&](int64_t i, int64_t p) {
     uint16_t* row = dst + i * ka;
     if (p < 0) {
       std::fill(row, row + ka, uint16_t{0});
     } else {
-      SplitRow(data + p * channels, scale, channels, kp, row);
+      SplitRow(data + p * channels, scale, channels, kp, row, parts);
     }
   });
 }
@@ -247,10 +251,10 @@ inline void FillSplitRange(const Grid& grid, const float* data,
 // ShiftedGemm::fill over a grid of `data` pixels.
 inline std::function<void(int64_t, int64_t, uint16_t*)> SplitFill(
     const Grid& grid, const float* data, const float* scale, int64_t channels,
-    int64_t kp) {
-  return [&grid, data, scale, channels, kp](int64_t r0, int64_t r1,
-                                            uint16_t* dst) {
-    FillSplitRange(grid, data, scale, channels, kp, r0, r1, dst);
+    int64_t kp, int parts = 3) {
+  return [&grid, data, scale, channels, kp, parts](int64_t r0, int64_t r1,
+                                                   uint16_t* dst) {
+    FillSplitRange(grid, data, scale, channels, kp, r0, r1, dst, parts);
   };
 }
 

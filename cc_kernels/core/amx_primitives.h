@@ -45,27 +45,62 @@ inline void Split3(float v, uint16_t* hi, uint16_t* mid, uint16_t* lo) {
   *lo = static_cast<uint16_t>(Bits(r - FromBits(m)) >> 16);
 }
 
+// The bf16 nearest to v's 32 bits (ties to even), as the high half of a
+// 32-bit word. v finite; a NaN or infinity only reaches it as the remainder
+// of one whose hi part is already NaN or infinite.
+inline uint32_t RoundToBf16Bits(uint32_t v) {
+  return (v + 0x7FFFu + ((v >> 16) & 1u)) & 0xFFFF0000u;
+}
+
+// v ~ hi + mid, two bf16 parts (kDyParts2): hi by truncation, mid the bf16
+// nearest to v - hi (exact in fp32), so |v - hi - mid| <= 2^-16 |v|.
+inline void Split2(float v, uint16_t* hi, uint16_t* mid) {
+  const uint32_t h = Bits(v) & 0xFFFF0000u;
+  *hi = static_cast<uint16_t>(h >> 16);
+  *mid = static_cast<uint16_t>(RoundToBf16Bits(Bits(v - FromBits(h))) >> 16);
+}
+
+// The parts of a float operand: 3 (exact, Split3) or 2 (Split2).
+inline void SplitParts(float v, int parts, uint16_t* hi, uint16_t* mid,
+                       uint16_t* lo) {
+  if (parts == 2) return Split2(v, hi, mid);
+  Split3(v, hi, mid, lo);
+}
+
 // out[0, n) = hi parts, out[kp, kp + n) = mid, out[2 kp, 2 kp + n) = lo of
-// v[i] * scale[i] (scale may be null); zeros up to each kp.
+// v[i] * scale[i] (scale may be null), `parts` (3 or 2) of them; zeros up
+// to each kp.
 inline void SplitRowPortable(const float* v, const float* scale, int64_t n,
-                             int64_t kp, uint16_t* out) {
+                             int64_t kp, uint16_t* out, int parts = 3) {
+  uint16_t unused;
   for (int64_t i = 0; i < n; ++i) {
     const float t = scale ? v[i] * scale[i] : v[i];
-    Split3(t, out + i, out + kp + i, out + 2 * kp + i);
+    SplitParts(t, parts, out + i, out + kp + i,
+               parts == 3 ? out + 2 * kp + i : &unused);
   }
-  for (int part = 0; part < 3; ++part) {
+  for (int part = 0; part < parts; ++part) {
     std::fill(out + part * kp + n, out + (part + 1) * kp, uint16_t{0});
   }
 }
 
 #if TAPEHOOK_HAVE_AMX_PATH
 // The three parts of 16 floats as the high halves of 32-bit lanes (hi and
-// mid by masking, lo exact since r - mid fits in 8 bits).
+// mid by masking, lo exact since r - mid fits in 8 bits); with parts == 2,
+// hi and mid = r rounded to the nearest bf16 (Split2), lo untouched.
 TAPEHOOK_AMX inline void Split16(__m512 t, __m512i* hi, __m512i* mid,
-                                 __m512i* lo) {
+                                 __m512i* lo, int parts = 3) {
   const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   *hi = _mm512_and_si512(_mm512_castps_si512(t), top);
   const __m512 r = _mm512_sub_ps(t, _mm512_castsi512_ps(*hi));
+  if (parts == 2) {
+    const __m512i rb = _mm512_castps_si512(r);
+    const __m512i odd =
+        _mm512_and_si512(_mm512_srli_epi32(rb, 16), _mm512_set1_epi32(1));
+    *mid = _mm512_and_si512(
+        _mm512_add_epi32(_mm512_add_epi32(rb, _mm512_set1_epi32(0x7FFF)), odd),
+        top);
+    return;
+  }
   *mid = _mm512_and_si512(_mm512_castps_si512(r), top);
   *lo = _mm512_castps_si512(_mm512_sub_ps(r, _mm512_castsi512_ps(*mid)));
 }
@@ -73,7 +108,8 @@ TAPEHOOK_AMX inline void Split16(__m512 t, __m512i* hi, __m512i* mid,
 // 32 values at a time: one vpermt2w gathers the high halves of two vectors'
 // lanes into 32 bf16 (cheaper than two narrowing moves). kp % 32 == 0.
 TAPEHOOK_AMX inline void SplitRow512(const float* v, const float* scale,
-                                     int64_t n, int64_t kp, uint16_t* out) {
+                                     int64_t n, int64_t kp, uint16_t* out,
+                                     int parts = 3) {
   __m512i high_halves;
   {
     alignas(64) uint16_t idx[32];
@@ -92,9 +128,9 @@ TAPEHOOK_AMX inline void SplitRow512(const float* v, const float* scale,
         t[h] = _mm512_mul_ps(t[h], _mm512_maskz_loadu_ps(m, scale + b));
     }
     __m512i p0[3], p1[3];
-    Split16(t[0], &p0[0], &p0[1], &p0[2]);
-    Split16(t[1], &p1[0], &p1[1], &p1[2]);
-    for (int part = 0; part < 3; ++part) {
+    Split16(t[0], &p0[0], &p0[1], &p0[2], parts);
+    Split16(t[1], &p1[0], &p1[1], &p1[2], parts);
+    for (int part = 0; part < parts; ++part) {
       _mm512_storeu_si512(
           out + part * kp + i,
           _mm512_permutex2var_epi16(p0[part], high_halves, p1[part]));
@@ -104,11 +140,11 @@ TAPEHOOK_AMX inline void SplitRow512(const float* v, const float* scale,
 #endif
 
 inline void SplitRow(const float* v, const float* scale, int64_t n, int64_t kp,
-                     uint16_t* out) {
+                     uint16_t* out, int parts = 3) {
 #if TAPEHOOK_HAVE_AMX_PATH
-  if (kp % 32 == 0) return SplitRow512(v, scale, n, kp, out);
+  if (kp % 32 == 0) return SplitRow512(v, scale, n, kp, out, parts);
 #endif
-  SplitRowPortable(v, scale, n, kp, out);
+  SplitRowPortable(v, scale, n, kp, out, parts);
 }
 
 // out[0, 32) = bf16 sign of v[c] for c < n (n <= 32), then zeros.
@@ -241,13 +277,15 @@ inline void StoreMaskedRow(const float* left, const float* right, int64_t n,
 // zeros), for o < n_pad; values past n are zero.
 inline void InterleaveSplitPairPortable(const float* r0, const float* r1,
                                         int64_t n, int64_t n_pad, int64_t base,
-                                        uint16_t* const* out) {
+                                        uint16_t* const* out, int parts = 3) {
   for (int64_t o = 0; o < n_pad; ++o) {
     for (int e = 0; e < 2; ++e) {
       const float* r = e == 0 ? r0 : r1;
       uint16_t part[3] = {0, 0, 0};
-      if (r != nullptr && o < n) Split3(r[o], &part[0], &part[1], &part[2]);
-      for (int i = 0; i < 3; ++i) out[i][base + 2 * o + e] = part[i];
+      if (r != nullptr && o < n) {
+        SplitParts(r[o], parts, &part[0], &part[1], &part[2]);
+      }
+      for (int i = 0; i < parts; ++i) out[i][base + 2 * o + e] = part[i];
     }
   }
 }
@@ -258,29 +296,25 @@ inline void InterleaveSplitPairPortable(const float* r0, const float* r1,
 TAPEHOOK_AMX inline void InterleaveSplitPair512(const float* r0,
                                                 const float* r1, int64_t n,
                                                 int64_t n_pad, int64_t base,
-                                                uint16_t* const* out) {
+                                                uint16_t* const* out,
+                                                int parts = 3) {
   const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   for (int64_t o = 0; o < n_pad; o += 16) {
     const __mmask16 m = o + 16 <= n
                             ? __mmask16(0xFFFF)
                             : __mmask16(o >= n ? 0 : (1u << (n - o)) - 1);
-    __m512i parts[2][3];
+    __m512i part[2][3];
     for (int e = 0; e < 2; ++e) {
       const float* r = e == 0 ? r0 : r1;
       const __m512 t =
           r ? _mm512_maskz_loadu_ps(m, r + o) : _mm512_setzero_ps();
-      const __m512i hb = _mm512_and_si512(_mm512_castps_si512(t), top);
-      const __m512 rem = _mm512_sub_ps(t, _mm512_castsi512_ps(hb));
-      const __m512i mb = _mm512_and_si512(_mm512_castps_si512(rem), top);
-      const __m512i lb =
-          _mm512_castps_si512(_mm512_sub_ps(rem, _mm512_castsi512_ps(mb)));
-      parts[e][0] = hb;
-      parts[e][1] = mb;
-      parts[e][2] = _mm512_and_si512(lb, top);
+      __m512i lb = _mm512_setzero_si512();
+      Split16(t, &part[e][0], &part[e][1], &lb, parts);
+      part[e][2] = _mm512_and_si512(lb, top);
     }
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < parts; ++i) {
       const __m512i word =
-          _mm512_or_si512(_mm512_srli_epi32(parts[0][i], 16), parts[1][i]);
+          _mm512_or_si512(_mm512_srli_epi32(part[0][i], 16), part[1][i]);
       _mm512_storeu_si512(out[i] + base + 2 * o, word);
     }
   }
@@ -290,13 +324,14 @@ TAPEHOOK_AMX inline void InterleaveSplitPair512(const float* r0,
 [[maybe_unused]] inline void InterleaveSplitPair(const float* r0,
                                                  const float* r1, int64_t n,
                                                  int64_t n_pad, int64_t base,
-                                                 uint16_t* const* out) {
+                                                 uint16_t* const* out,
+                                                 int parts = 3) {
 #if TAPEHOOK_HAVE_AMX_PATH
   if (n_pad % 16 == 0) {
-    return InterleaveSplitPair512(r0, r1, n, n_pad, base, out);
+    return InterleaveSplitPair512(r0, r1, n, n_pad, base, out, parts);
   }
 #endif
-  InterleaveSplitPairPortable(r0, r1, n, n_pad, base, out);
+  InterleaveSplitPairPortable(r0, r1, n, n_pad, base, out, parts);
 }
 
 // dst[c * ld_dst + r] = src[r * ld_src + c] for an 8 x 8 block of 16-bit

@@ -4,7 +4,9 @@
 // splitting a float into three bf16 parts loses nothing. A single-product
 // convolution (1x1, one input channel or one pixel) must then give the same
 // bits as the fp32 product, for floats that use all 24 significand bits and
-// a wide range of exponents. A two-part split would be off by up to 2^-16.
+// a wide range of exponents. A two-part split would be off by up to 2^-16:
+// that is the opt-in TAPEHOOK_BACKPROP_DY=bf16x2, checked against its model
+// and bound.
 //
 //   g++ -std=c++17 -O2 -I. tests/cc/test_amx_conv.cc cc_kernels/core/*.cc
 //       -lpthread -o /tmp/t && /tmp/t
@@ -25,6 +27,7 @@
 #include <vector>
 
 #include "cc_kernels/core/amx_conv.h"
+#include "cc_kernels/core/amx_primitives.h"
 #include "cc_kernels/core/amx_runtime.h"
 #include "cc_kernels/core/binary_conv.h"
 #include "cc_kernels/core/cpu.h"
@@ -141,14 +144,24 @@ void TestBackpropInputSingleProduct(std::mt19937_64& rng) {
   }
 }
 
+// A one-pixel 1x1 conv of 45 -> 29 channels: one product per dw element.
+struct OnePixel {
+  ConvShape s = Shape1x1(1, 1, 1, 45, 29);
+  std::vector<float> x, w, dy, alpha;
+  explicit OnePixel(std::mt19937_64& rng)
+      : x(FullMantissa(rng, 45)),
+        w(FullMantissa(rng, 45 * 29)),
+        dy(FullMantissa(rng, 29)),
+        alpha(29) {
+    for (int o = 0; o < 29; ++o) alpha[o] = 0.25f + o / 64.0f;
+  }
+};
+
 // One pixel: dw[c, o] = x_hat[c] * dy[o] * alpha[o].
 void TestBackpropFilterSinglePixel(std::mt19937_64& rng) {
-  const ConvShape s = Shape1x1(1, 1, 1, 45, 29);
-  const std::vector<float> x = FullMantissa(rng, 45);
-  const std::vector<float> w = FullMantissa(rng, 45 * 29);
-  const std::vector<float> dy = FullMantissa(rng, 29);
-  std::vector<float> alpha(29);
-  for (int o = 0; o < 29; ++o) alpha[o] = 0.25f + o / 64.0f;
+  const OnePixel c1(rng);
+  const ConvShape& s = c1.s;
+  const std::vector<float>&x = c1.x, &w = c1.w, &dy = c1.dy, &alpha = c1.alpha;
   for (bool binary : {true, false}) {
     std::vector<float> dw(w.size(), -7.0f);
     Check(tapehook::amx::BackpropFilter(
@@ -171,6 +184,67 @@ void TestBackpropFilterSinglePixel(std::mt19937_64& rng) {
     Check(bad == 0, binary ? "backprop-filter sign(x) * dy exact"
                            : "backprop-filter x * dy within 2^-21");
   }
+}
+
+// TAPEHOOK_BACKPROP_DY=bf16x2: the backprops split dy into two bf16 parts.
+// Single-product convs (as above) then give, bit for bit, the product of the
+// scalar two-part split (amx_primitives.h Split2; the GEMMs' rows are split
+// by the AVX-512 code), and that is within 2^-16 of the exact product.
+void TestTwoPartDy(std::mt19937_64& rng) {
+  setenv("TAPEHOOK_BACKPROP_DY", "bf16x2", 1);
+  Check(tapehook::amx::DyParts() == 2, "TAPEHOOK_BACKPROP_DY=bf16x2 read");
+  auto two_part = [](float t) {
+    uint16_t hi, mid;
+    tapehook::amx::Split2(t, &hi, &mid);
+    return tapehook::amx::FromBits(uint32_t{hi} << 16) +
+           tapehook::amx::FromBits(uint32_t{mid} << 16);
+  };
+  int bad = 0, loose = 0;
+  {
+    const ConvShape s = Shape1x1(2, 6, 5, 41, 1);
+    const std::vector<float> x = FullMantissa(rng, 2 * 6 * 5 * 41);
+    const std::vector<float> w = FullMantissa(rng, 41);
+    const std::vector<float> dy = FullMantissa(rng, 2 * 6 * 5);
+    const float alpha = 0.8125f + std::abs(w[0]);
+    std::vector<float> dx(x.size(), -7.0f);
+    Check(tapehook::amx::BackpropInput(s, x.data(), w.data(), dy.data(),
+                                       Estimator::kNone, 1.0, &alpha, dx.data(),
+                                       kSerial),
+          "amx::BackpropInput took the 1x1 conv (bf16x2)");
+    for (size_t p = 0; p < dy.size(); ++p) {
+      const float t = dy[p] * alpha;  // dX's A is alpha-scaled dy
+      for (int c = 0; c < 41; ++c) {
+        const float got = dx[p * 41 + c];
+        bad += !SameBits(got, two_part(t) * SignOf(w[c]));
+        loose += std::abs(double(got) - double(t) * SignOf(w[c])) >
+                 std::ldexp(std::abs(double(t)), -16);
+      }
+    }
+  }
+  {
+    const OnePixel c1(rng);
+    const ConvShape& s = c1.s;
+    const std::vector<float>&x = c1.x, &w = c1.w, &dy = c1.dy,
+          &alpha = c1.alpha;
+    std::vector<float> dw(w.size(), -7.0f);
+    Check(tapehook::amx::BackpropFilter(s, x.data(), w.data(), dy.data(),
+                                        Estimator::kSteSign, Estimator::kNone,
+                                        1.0, alpha.data(), dw.data(), kSerial),
+          "amx::BackpropFilter took the one-pixel conv (bf16x2)");
+    for (int c = 0; c < 45; ++c) {
+      for (int o = 0; o < 29; ++o) {
+        const float got = dw[c * 29 + o];
+        bad += !SameBits(got, (SignOf(x[c]) * two_part(dy[o])) * alpha[o]);
+        const double exact = double(SignOf(x[c])) * dy[o] * alpha[o];
+        loose += std::abs(got - exact) >
+                 std::ldexp(std::abs(exact), -16) * (1 + std::ldexp(1.0, -20));
+      }
+    }
+  }
+  Check(bad == 0, "bf16x2 backprops: the two-part split's product, bitwise");
+  Check(loose == 0, "bf16x2 backprops: within 2^-16 of the exact product");
+  unsetenv("TAPEHOOK_BACKPROP_DY");
+  Check(tapehook::amx::DyParts() == 3, "unset TAPEHOOK_BACKPROP_DY: exact");
 }
 
 // Packed-input backprops == float-input backprops with act_est = ste_sign,
@@ -403,6 +477,7 @@ int main() {
     TestForwardSingleProduct(rng);
     TestBackpropInputSingleProduct(rng);
     TestBackpropFilterSinglePixel(rng);
+    TestTwoPartDy(rng);
   }
   std::printf("amx: %d failures\n", g_failures);
   return g_failures == 0 ? 0 : 1;
