@@ -150,12 +150,14 @@ void PoolUnits(const ConvShape& s, const float* x, float* y, int32_t step,
 }
 
 // Calls visit(out_index, in_index, dead) for each output element with a
-// tap (not kNoTap), in output order within an image; images in parallel.
-// False (and nothing visited past it) where a tap is not a window's
-// in-image position: taps not made by MaxPoolTaps on this geometry.
-template <typename Visit>
+// tap (not kNoTap), in output order within an image; images in parallel,
+// each after begin_image(n) (by the thread that then visits it). False (and
+// nothing visited past it) where a tap is not a window's in-image position:
+// taps not made by MaxPoolTaps on this geometry.
+template <typename Visit, typename BeginImage>
 bool ForEachTap(const ConvShape& s, const int8_t* taps,
-                const ParallelFor& parallel_for, Visit visit) {
+                const ParallelFor& parallel_for, Visit visit,
+                BeginImage begin_image) {
   const int64_t c = s.in_c, row = s.in_w * c;
   const int64_t per_image = s.out_h * s.out_w * c;
   // A tap's row and column in its window.
@@ -170,6 +172,7 @@ bool ForEachTap(const ConvShape& s, const int8_t* taps,
     for (int64_t n = begin; n < end && valid.load(std::memory_order_relaxed);
          ++n) {
       const int64_t in0 = n * s.in_h * row;
+      begin_image(n);
       for (int64_t oh = 0; oh < s.out_h; ++oh) {
         const int64_t h0 = oh * s.stride_h - s.pad_top;
         for (int64_t ow = 0; ow < s.out_w; ++ow) {
@@ -246,26 +249,39 @@ void MaxPoolTaps(const ConvShape& s, const float* x, bool relu, float* y,
 bool MaxPoolTapsBackprop(const ConvShape& s, const float* dy,
                          const int8_t* taps, bool relu, float* dx,
                          const ParallelFor& parallel_for) {
-  std::fill(dx, dx + s.batch * s.in_h * s.in_w * s.in_c, 0.0f);
-  if (!ForEachTap(s, taps, parallel_for,
-                  [&](int64_t o, int64_t i, bool) { dx[i] += dy[o]; })) {
+  // Each image's dx zeroed by the thread that scatters into it, just before
+  // (in parallel, and still in cache for the first windows).
+  const int64_t image = s.in_h * s.in_w * s.in_c;
+  if (!ForEachTap(
+          s, taps, parallel_for,
+          [&](int64_t o, int64_t i, bool) { dx[i] += dy[o]; },
+          [&](int64_t n) {
+            std::fill(dx + n * image, dx + (n + 1) * image, 0.0f);
+          })) {
     return false;
   }
   if (!relu) return true;
   // ReluGrad's product by (r > 0) at the positions dead taps name (all taps
   // naming a position agree on it, r being that position's value).
-  return ForEachTap(s, taps, parallel_for, [&](int64_t, int64_t i, bool dead) {
-    if (dead) dx[i] *= 0.0f;
-  });
+  return ForEachTap(
+      s, taps, parallel_for,
+      [&](int64_t, int64_t i, bool dead) {
+        if (dead) dx[i] *= 0.0f;
+      },
+      [](int64_t) {});
 }
 
 bool MaxPoolTapsGather(const ConvShape& s, const float* v, const int8_t* taps,
                        bool relu, float* out, const ParallelFor& parallel_for) {
-  std::fill(out, out + s.batch * s.out_h * s.out_w * s.in_c, 0.0f);
-  return ForEachTap(s, taps, parallel_for,
-                    [&](int64_t o, int64_t i, bool dead) {
-                      out[o] = relu && dead ? v[i] * 0.0f : v[i];
-                    });
+  const int64_t image = s.out_h * s.out_w * s.in_c;
+  return ForEachTap(
+      s, taps, parallel_for,
+      [&](int64_t o, int64_t i, bool dead) {
+        out[o] = relu && dead ? v[i] * 0.0f : v[i];
+      },
+      [&](int64_t n) {
+        std::fill(out + n * image, out + (n + 1) * image, 0.0f);
+      });
 }
 
 }  // namespace tapehook
