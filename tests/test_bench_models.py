@@ -31,10 +31,12 @@ FUSED = bench_models.FUSED_IMPLS
 
 
 @pytest.fixture(autouse=True)
-def _keep_pack_inputs(monkeypatch):
-    """bench_models.build sets TAPEHOOK_PACK_INPUTS per implementation: restored
-    after each test."""
+def _keep_settings(monkeypatch):
+    """bench_models.build sets TAPEHOOK_PACK_INPUTS and TAPEHOOK_BACKPROP_DY per
+    implementation: restored after each test (the later tests of the session
+    must not inherit an opt-in)."""
     monkeypatch.setenv("TAPEHOOK_PACK_INPUTS", os.environ.get("TAPEHOOK_PACK_INPUTS", "1"))
+    monkeypatch.setenv("TAPEHOOK_BACKPROP_DY", os.environ.get("TAPEHOOK_BACKPROP_DY", "exact"))
 
 
 def build(model, impl, estimator, **kwargs):
