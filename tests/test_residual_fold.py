@@ -177,6 +177,22 @@ def test_folded_add_gradients(activation):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("shape", [(2, 9, 9, 40), (4, 30, 30, 64)])
+def test_add_op_with_its_input_as_addend_eagerly(shape):
+    """An eager call given one tensor as the conv's input and the addend (a
+    buffer TF could hand to the output, the op reading it as input while it
+    writes): the affine op's output plus that tensor, to the bit."""
+    lib = tapehook.kernels.library()
+    x, w = _inputs(shape), _inputs((3, 3, shape[3], shape[3]), seed=2)
+    m, b = _inputs(shape[3:], seed=3), _inputs(shape[3:], seed=4)
+    attrs = dict(strides=[1, 1, 1, 1], padding="SAME", activation_estimator="ste_sign")
+    expected = lib.tapehook_binary_conv2d_affine(x, w, m, b, **attrs) + x
+    got = lib.tapehook_binary_conv2d_affine_add(x, w, m, b, x, **attrs)
+    np.testing.assert_array_equal(got.numpy(), expected.numpy())
+    # and x itself is untouched
+    np.testing.assert_array_equal(x.numpy(), _inputs(shape).numpy())
+
+
 def test_add_op_rejects_a_misshapen_addend():
     lib = tapehook.kernels.library()
     x, w = _inputs((1, 5, 5, 8)), _inputs((3, 3, 8, 4), seed=2)

@@ -305,8 +305,9 @@ class BinaryConv2DOp : public OpKernel {
  private:
   // PrepareForward for TapehookBinaryConv2DAffineAdd: the addend must have
   // the output's shape; the output takes over the addend's buffer where
-  // nothing else holds it (TF's forwarding: a buffer another tensor
-  // references, the conv's own input included, is never forwarded).
+  // nothing else holds it (TF's forwarding) and no other input of this op
+  // is that buffer: the conv reads its input while it writes outputs, and
+  // an eager call given one tensor as both input and addend holds it once.
   absl::Status PrepareForwardAdd(OpKernelContext* ctx, ConvShape* s,
                                  Tensor** y) {
     TF_RETURN_IF_ERROR(
@@ -317,6 +318,11 @@ class BinaryConv2DOp : public OpKernel {
           "TapehookBinaryConv2DAffineAdd: addend must have the output's "
           "shape " +
           shape.DebugString() + "; got " + ctx->input(4).shape().DebugString());
+    }
+    for (int i = 0; i < 4; ++i) {
+      if (ctx->input(i).SharesBufferWith(ctx->input(4))) {
+        return ctx->allocate_output(0, shape, y);
+      }
     }
     return ctx->forward_input_or_allocate_output({4}, 0, shape, y);
   }
