@@ -637,7 +637,8 @@ class Add(keras.layers.Add):
     """
 
     def call(self, inputs):
-        if isinstance(inputs, (list, tuple)) and len(inputs) == 2:
+        # Eager calls never fold: skip the walk over the Keras graph there.
+        if not tf.executing_eagerly() and isinstance(inputs, (list, tuple)) and len(inputs) == 2:
             for i in (0, 1):
                 y, addend = inputs[i], inputs[1 - i]
                 if _read_elsewhere(self, i):
