@@ -81,8 +81,15 @@ inline Taps TapOffsets(const ConvShape& s, int64_t wp) {
 
 // A q grid for data of rows x cols pixels padded by (top, left) and read
 // by a stride-1 conv with taps spanning (eh, ew) to give out_h x out_w
-// outputs: tall and wide enough for the data and for every tap of every
-// output.
+// outputs. Neighbours share their zero padding: a row's right padding is the
+// next row's left padding, an image's bottom padding the next image's top
+// padding. A tap past the right edge of a grid row lands in the next grid
+// row's first ew - (wp - out_w) < left columns, which are padding; likewise a
+// tap below an image lands in the next image's top rows. So wp = cols +
+// max(left, right padding) and hp = rows + max(top, bottom padding) (at
+// least the outputs' size, for padding wider than the taps): at
+// 7x7 with a 3x3 SAME conv 8x8 = 64 grid rows per image instead of 9x9 = 81,
+// and every grid row is a GEMM row the AMX kernels compute.
 inline Grid PaddedGrid(int64_t batch, int64_t top, int64_t left, int64_t rows,
                        int64_t cols, int64_t out_h, int64_t out_w, int64_t eh,
                        int64_t ew) {
@@ -94,8 +101,8 @@ inline Grid PaddedGrid(int64_t batch, int64_t top, int64_t left, int64_t rows,
   g.cols = cols;
   g.out_h = out_h;
   g.out_w = out_w;
-  g.hp = std::max(top + rows, out_h + eh);
-  g.wp = std::max(left + cols, out_w + ew);
+  g.hp = std::max({top + rows, out_h + eh - top, out_h});
+  g.wp = std::max({left + cols, out_w + ew - left, out_w});
   return g;
 }
 
