@@ -45,13 +45,16 @@ SHAPES_112 = [
     ("quicknet 28x28x32->32 s1", 28, 28, 32, 32, 1),
     ("quicknet 14x14x64->64 s1", 14, 14, 64, 64, 1),
 ]
-# ... and at 224 px (Bi-Real-Net's stride-1 convs, QuickNet-small's first two
+# ... and at 224 px (Bi-Real-Net's binary convs, QuickNet-small's first two
 # stages; their other stages are the 112-px shapes above)
 SHAPES_224 = [
     ("birealnet 56x56x64->64 s1", 56, 56, 64, 64, 1),
     ("birealnet 28x28x128->128 s1", 28, 28, 128, 128, 1),
     ("birealnet 14x14x256->256 s1", 14, 14, 256, 256, 1),
     ("birealnet 7x7x512->512 s1", 7, 7, 512, 512, 1),
+    ("birealnet 56x56x64->128 s2", 56, 56, 64, 128, 2),
+    ("birealnet 28x28x128->256 s2", 28, 28, 128, 256, 2),
+    ("birealnet 14x14x256->512 s2", 14, 14, 256, 512, 2),
     ("quicknet 56x56x32->32 s1", 56, 56, 32, 32, 1),
     ("quicknet 28x28x64->64 s1", 28, 28, 64, 64, 1),
 ]

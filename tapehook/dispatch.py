@@ -21,7 +21,8 @@ TF with oneDNN on and off (docs/performance.md):
   faster than stock on every measured shape;
 - convolutions with a float operand (the weight-only forward, both
   backprops) where the AMX kernels can run them (the capability query: Intel
-  AMX, stride 1, not float64), SAME or VALID padding and at least
+  AMX, not float64, stride 1 for the forward — the backprops run strided
+  convs by phases), SAME or VALID padding and at least
   AMX_MIN_PIXELS input pixels (batch x H x W), dW also at least
   AMX_MIN_TAPS kernel taps unless the input was kept as packed bits:
   tapehook's kernels, which run them as exact bf16x3 AMX GEMMs

@@ -279,7 +279,8 @@ def test_choose_table(
 
 def test_capability_query_follows_switches_and_scope(switches):
     """The C++ query (kernels.conv_capabilities) on this CPU: the switches
-    take tiers away; AMX never runs strided or float64 convs."""
+    take tiers away; AMX never runs float64 convs nor a strided forward, and
+    runs strided backprops (by phases) where it runs the stride-1 ones."""
     features = tapehook.kernel_info()["cpu"]
     full = kernels.conv_capabilities(FWD, SAME, "float32", BIG, K3, binary_input=True)
     assert "portable" in full and "amx" not in full
@@ -292,15 +293,23 @@ def test_capability_query_follows_switches_and_scope(switches):
         assert kernels.conv_capabilities(op, SAME, "float32", BIG, K3) == {"portable"}
     switches(None, None, None)
     strided = dict(SAME, strides=[1, 2, 2, 1])
+    assert "amx" not in kernels.conv_capabilities(FWD, strided, "float32", BIG, K3)
     for op in (FWD, DX, DW):
-        assert "amx" not in kernels.conv_capabilities(op, strided, "float32", BIG, K3)
         assert "amx" not in kernels.conv_capabilities(op, SAME, "float64", BIG, K3)
+        if op != FWD:
+            assert ("amx" in kernels.conv_capabilities(op, strided, "float32", BIG, K3)) == bool(
+                features.get("amx")
+            )
         assert ("amx" in kernels.conv_capabilities(op, SAME, "float32", BIG, K3)) == bool(
             features.get("amx")
         )
     # dX of AMX needs pad_top <= (k - 1) * dil: 3 leading rows of a 3x3 do not fit
     wide_pad = dict(EXPLICIT, explicit_paddings=[0, 0, 3, 0, 0, 0, 0, 0])
     assert "amx" not in kernels.conv_capabilities(DX, wide_pad, "float32", BIG, K3)
+    # ... and so do a strided conv's phases, for dW too
+    wide_strided = dict(wide_pad, strides=[1, 2, 2, 1])
+    for op in (DX, DW):
+        assert "amx" not in kernels.conv_capabilities(op, wide_strided, "float32", BIG, K3)
 
 
 def _op_attrs(spec, op="forward", **extra):
@@ -366,6 +375,50 @@ def test_every_runnable_plan_matches_and_others_are_refused(switches):
             )
     with pytest.raises(tf.errors.InvalidArgumentError, match="unknown plan 'fastest'"):
         lib.tapehook_binary_conv2d(x, w0, **_op_attrs(spec, plan="fastest"))
+
+
+@pytest.mark.parametrize("padding", ["SAME", "VALID"])
+@pytest.mark.parametrize("activations", [False, True])
+def test_strided_backprops_match_on_every_plan(activations, padding):
+    """A stride-2 conv's backprops (AMX runs them by phases, cc_kernels/core/
+    amx_conv.cc) on each plan the query offers, from a float input and, with
+    binary activations, from packed bits: the reference's gradients. Odd
+    sizes give the phases images of unequal size; 40 -> 33 channels give
+    partial tiles."""
+    lib = kernels.library()
+    spec = tapehook.BinarySpec(activations=activations, scale="mean_abs")
+    x, w0 = random_inputs((2, 11, 10, 40), (3, 3, 40, 33))
+    conv = dict(SAME, strides=[1, 2, 2, 1], padding=padding)
+    out_shape = tf.nn.conv2d(x, w0, 2, padding).shape
+    g = upstream(out_shape, tf.float32)
+    _, rdx, rdw = reference_result(x, w0, spec, g, **conv)
+    dx_attrs = dict(conv, data_format="NHWC", **spec.op_attrs("backprop_input"))
+    dw_attrs = dict(conv, data_format="NHWC", **spec.op_attrs("backprop_filter"))
+    shapes = dict(x_shape=x.shape, w_shape=w0.shape, binary_input=activations)
+    dx_plans = kernels.conv_capabilities(DX, conv, "float32", **shapes)
+    dw_plans = kernels.conv_capabilities(DW, conv, "float32", **shapes)
+    if tapehook.kernel_info()["cpu"].get("amx"):
+        assert "amx" in dx_plans and "amx" in dw_plans
+    for plan in dx_plans:
+        dx = lib.tapehook_binary_conv2d_backprop_input(x, w0, g, **dx_attrs, plan=plan)
+        assert_close(dx, rdx, what=f"dX [{plan}]")
+    for plan in dw_plans:
+        dw = lib.tapehook_binary_conv2d_backprop_filter(x, w0, g, **dw_attrs, plan=plan)
+        assert_close(dw, rdw, what=f"dW [{plan}]")
+    if not activations:
+        return
+    bits = lib.tapehook_pack_input(x, **spec.pack_attrs())
+    packed = dict(shapes, packed=True)
+    for plan in kernels.conv_capabilities(DX, conv, "float32", **packed):
+        dx = lib.tapehook_binary_conv2d_backprop_input_packed(
+            bits, w0, g, channels=40, **dx_attrs, plan=plan
+        )
+        assert_close(dx, rdx, what=f"packed dX [{plan}]")
+    for plan in kernels.conv_capabilities(DW, conv, "float32", **packed):
+        dw = lib.tapehook_binary_conv2d_backprop_filter_packed(
+            bits, w0, g, channels=40, **dw_attrs, plan=plan
+        )
+        assert_close(dw, rdw, what=f"packed dW [{plan}]")
 
 
 @pytest.mark.parametrize("activations", [False, True])

@@ -11,6 +11,17 @@
 // an AMX tile load reads, so the convolution is a GEMM over shifted row
 // blocks with no im2col copy. Grid positions that are not output pixels
 // (ow >= out_w, oh >= out_h) are computed and dropped.
+//
+// Strided backprops run by phases (PhasesOf): with stride S, tap kh reads
+// input row S * oh + kh * dil - pad = S * (oh + d) + p, 0 <= p < S. The
+// input pixels of one phase (p_h, p_w), rows S * a + p_h and columns
+// S * b + p_w, form an image of ceil(in / S) pixels a side that each tap of
+// that phase reads at a fixed shift (d_h, d_w) from the output pixel: a
+// stride-1 problem again. dW: x's phases side by side on one grid, tap t
+// reading its phase's rows (FilterGemm::x_row) at its shift. dX: one
+// shifted GEMM per phase over dy, with that phase's taps, storing into the
+// phase's pixels of dx. Either does the stride-1 kernels' work per
+// multiply-add, none on taps that read nothing.
 #include "amx_conv.h"
 
 #include <algorithm>
@@ -42,15 +53,18 @@ int DyParts() {
 bool Supports(const ConvQuery& q) {
   // Unknown sizes (-1) do not exclude: the op checks again with all known.
   auto nonzero = [](int64_t v) { return v != 0; };
-  if (!TAPEHOOK_HAVE_AMX_PATH || q.stride_h != 1 || q.stride_w != 1) {
-    return false;
+  const bool strided = q.stride_h != 1 || q.stride_w != 1;
+  if (!TAPEHOOK_HAVE_AMX_PATH || q.stride_h < 1 || q.stride_w < 1 ||
+      (strided && q.op == ConvOp::kForward)) {
+    return false;  // a strided forward: not written (the backprops are)
   }
   for (int64_t v : {q.batch, q.in_h, q.in_w, q.in_c, q.out_c, q.out_h, q.out_w,
                     q.k_h, q.k_w}) {
     if (!nonzero(v)) return false;
   }
-  if (q.op != ConvOp::kBackpropInput) return true;
-  // dx is a forward conv of dy padded by (k - 1) * dil - pad >= 0.
+  if (q.op != ConvOp::kBackpropInput && !strided) return true;
+  // dx is a forward conv of dy padded by (k - 1) * dil - pad >= 0; the
+  // phases of a strided conv need the same.
   auto fits = [](int64_t pad, int64_t k, int64_t dil) {
     return pad < 0 || (k >= 1 && pad <= (k - 1) * dil);
   };
@@ -135,6 +149,158 @@ bool Forward(const ConvShape& s, const float* x, const float* w,
 
 namespace {
 
+int64_t FloorDiv(int64_t a, int64_t b) {
+  return a >= 0 ? a / b : -((-a + b - 1) / b);
+}
+
+// A strided conv's taps by phase (file comment): tap t = kh * k_w + kw
+// reads phase phase[t] = p_h * stride_w + p_w of the input at shift
+// (dh[t], dw[t]) from the output pixel.
+struct Phases {
+  int64_t s_h, s_w;  // the strides
+  int64_t a_h, a_w;  // a phase's image: ceil(in / stride) a side
+  int64_t in_h, in_w;
+  std::vector<int64_t> phase, dh, dw;
+  int64_t dmin_h = 0, dmax_h = 0, dmin_w = 0, dmax_w = 0;
+  int64_t count() const { return s_h * s_w; }
+  // The input pixel of phase f's pixel (n, a, b), or -1 for none (n < 0)
+  // or past the input's edge.
+  int64_t Full(int64_t f, int64_t n, int64_t a, int64_t b) const {
+    const int64_t y = a * s_h + f / s_w, x = b * s_w + f % s_w;
+    return n >= 0 && y < in_h && x < in_w ? (n * in_h + y) * in_w + x : -1;
+  }
+};
+
+Phases PhasesOf(const ConvShape& s) {
+  Phases ph;
+  ph.s_h = s.stride_h, ph.s_w = s.stride_w;
+  ph.a_h = (s.in_h + s.stride_h - 1) / s.stride_h;
+  ph.a_w = (s.in_w + s.stride_w - 1) / s.stride_w;
+  ph.in_h = s.in_h, ph.in_w = s.in_w;
+  for (int64_t kh = 0; kh < s.k_h; ++kh) {
+    for (int64_t kw = 0; kw < s.k_w; ++kw) {
+      const int64_t rh = kh * s.dil_h - s.pad_top,
+                    rw = kw * s.dil_w - s.pad_left;
+      const int64_t dh = FloorDiv(rh, s.stride_h),
+                    dw = FloorDiv(rw, s.stride_w);
+      ph.phase.push_back((rh - dh * s.stride_h) * s.stride_w +
+                         (rw - dw * s.stride_w));
+      ph.dh.push_back(dh);
+      ph.dw.push_back(dw);
+    }
+  }
+  ph.dmin_h = *std::min_element(ph.dh.begin(), ph.dh.end());
+  ph.dmax_h = *std::max_element(ph.dh.begin(), ph.dh.end());
+  ph.dmin_w = *std::min_element(ph.dw.begin(), ph.dw.end());
+  ph.dmax_w = *std::max_element(ph.dw.begin(), ph.dw.end());
+  return ph;
+}
+
+// Stores one finished 32 x 32 block of dx (rows: the dx pixels pixel[i], -1
+// for none; channels c0 ..) as BackpropInputImpl describes.
+void StoreDx(const int64_t* pixel, int64_t c0, const float (*acc)[256],
+             const ConvShape& s, const float* x, const uint8_t* packed,
+             Estimator act_est, double clip, float* dx) {
+  static const std::vector<float> ones(32, 1.0f);
+  const int64_t C = s.in_c;
+  const int64_t c_n = std::min<int64_t>(32, C - c0);
+  if (packed != nullptr) {  // store and mask in one pass
+    for (int64_t r = 0; r < 32; ++r) {
+      const int64_t p = pixel[r];
+      if (p < 0) continue;
+      StoreMaskedRow(acc[(r / 16) * 2] + (r % 16) * 16,
+                     acc[(r / 16) * 2 + 1] + (r % 16) * 16, c_n,
+                     packed + p * PackedBytes(C) + c0 / 4, dx + p * C + c0);
+    }
+    return;
+  }
+  if (act_est == Estimator::kNone || act_est == Estimator::kSteSign) {
+    StoreRowsAt(pixel, acc, ones.data(), c_n, dx + c0, C,
+                act_est == Estimator::kSteSign ? x + c0 : nullptr,
+                static_cast<float>(clip));
+    return;
+  }
+  StoreRowsAt(pixel, acc, ones.data(), c_n, dx + c0, C);
+  for (int64_t r = 0; r < 32; ++r) {
+    const int64_t p = pixel[r];
+    if (p < 0) continue;
+    float* out = dx + p * C + c0;
+    const float* xr = x + p * C + c0;
+    if (act_est == Estimator::kApproxSign) {  // vectorized
+      for (int64_t j = 0; j < c_n; ++j) out[j] *= ApproxSignGrad(xr[j]);
+      continue;
+    }
+    for (int64_t j = 0; j < c_n; ++j) out[j] *= ActGrad(act_est, xr[j], clip);
+  }
+}
+
+// A strided conv's dx by phases (file comment): phase f's pixel (n, a, b)
+// sums dy pixel (n, a - dh[t], b - dw[t]) times W_t^T over f's taps t, a
+// stride-1 shifted GEMM over dy padded by dmax. All phases run as one GEMM
+// whose output columns are (phase, channel) and whose taps differ by phase
+// (ShiftedGemm::phase_taps), so each thread splits a window of dy once for
+// all of them; a phase no tap reads sums nothing and stores zeros.
+void BackpropInputStrided(const ConvShape& s, const float* x,
+                          const uint8_t* packed, const float* w,
+                          const float* dy, Estimator act_est, double clip,
+                          const float* alpha, float* dx,
+                          const ParallelFor& parallel_for) {
+  const int64_t C = s.in_c, O = s.out_c;
+  const Phases ph = PhasesOf(s);
+  const Grid grid =
+      PaddedGrid(s.batch, ph.dmax_h, ph.dmax_w, s.out_h, s.out_w, ph.a_h,
+                 ph.a_w, ph.dmax_h - ph.dmin_h, ph.dmax_w - ph.dmin_w);
+  const int64_t kp = RoundUp(O, 32);
+  const int64_t q_pairs = (grid.q_end() + 31) / 32;
+  const int64_t c_pairs = (C + 31) / 32;
+  const std::vector<float> scale = PaddedScale(alpha, O);
+  const int64_t n_phases = ph.count();
+  std::vector<std::vector<int64_t>> taps(n_phases), off(n_phases);
+  int64_t max_taps = 1, max_off = 0;
+  for (int64_t t = 0; t < static_cast<int64_t>(ph.phase.size()); ++t) {
+    const int64_t f = ph.phase[t];
+    taps[f].push_back(t);
+    off[f].push_back((ph.dmax_h - ph.dh[t]) * grid.wp + ph.dmax_w - ph.dw[t]);
+    max_taps = std::max<int64_t>(max_taps, taps[f].size());
+    max_off = std::max(max_off, off[f].back());
+  }
+  ShiftedGemm g;
+  std::vector<std::unique_ptr<Buffer>> bs;
+  for (int64_t f = 0; f < n_phases; ++f) {
+    const int64_t n = static_cast<int64_t>(taps[f].size());
+    bs.push_back(n == 0 ? nullptr
+                        : SignB(w, n, C, O, /*transposed=*/true, kp,
+                                c_pairs * 32, parallel_for, taps[f].data()));
+    g.phase_taps.push_back(n);
+    g.phase_off.push_back(off[f].data());
+    g.phase_b.push_back(n == 0 ? nullptr : bs.back()->p);
+  }
+  g.kp = kp;
+  g.phase_pairs = c_pairs;
+  g.off = nullptr;
+  g.taps = max_taps;
+  g.b = nullptr;
+  g.o_pairs = n_phases * c_pairs;  // columns: (phase, dx channel)
+  g.q_pairs = q_pairs;
+  g.o_group = OGroup(g.o_pairs, max_taps, kp);
+  g.parts = DyParts();
+  g.fill = SplitFill(grid, dy, alpha ? scale.data() : nullptr, O, kp, g.parts);
+  g.rows = q_pairs * 32 + max_off;
+  g.max_off = max_off;
+  RunShiftedGemm(
+      g,
+      [&](int64_t q0, int64_t o0, const float (*acc)[256]) {
+        const int64_t f = o0 / (c_pairs * 32), c0 = o0 % (c_pairs * 32);
+        int64_t pixel[32];
+        grid.WalkCoords(q0, 32, /*data=*/false,
+                        [&](int64_t i, int64_t n, int64_t a, int64_t b) {
+                          pixel[i] = ph.Full(f, n, a, b);
+                        });
+        StoreDx(pixel, c0, acc, s, x, packed, act_est, clip, dx);
+      },
+      parallel_for);
+}
+
 // The input comes either as floats (x) or as packed sign / mask bits
 // (packed, pack_input.h, with the ste_sign estimator); exactly one is set.
 bool BackpropInputImpl(const ConvShape& s, const float* x,
@@ -142,6 +308,11 @@ bool BackpropInputImpl(const ConvShape& s, const float* x,
                        Estimator act_est, double clip, const float* alpha,
                        float* dx, const ParallelFor& parallel_for) {
   if (!SupportsBackpropInput(s) || !Usable()) return false;
+  if (s.stride_h != 1 || s.stride_w != 1) {
+    BackpropInputStrided(s, x, packed, w, dy, act_est, clip, alpha, dx,
+                         parallel_for);
+    return true;
+  }
   const int64_t C = s.in_c, O = s.out_c, taps = s.k_h * s.k_w;
   const int64_t eh = (s.k_h - 1) * s.dil_h, ew = (s.k_w - 1) * s.dil_w;
   // dx = conv2d(dy padded by (eh - pad_top, ew - pad_left), flipped W^T).
@@ -158,7 +329,6 @@ bool BackpropInputImpl(const ConvShape& s, const float* x,
   const auto b =
       SignB(w, taps, C, O, /*transposed=*/true, kp, c_pairs * 32, parallel_for);
 
-  const std::vector<float> ones(32, 1.0f);
   ShiftedGemm g;
   g.kp = kp;
   g.off = tp.off.data();
@@ -174,37 +344,10 @@ bool BackpropInputImpl(const ConvShape& s, const float* x,
   RunShiftedGemm(
       g,
       [&](int64_t q0, int64_t c0, const float (*acc)[256]) {
-        const int64_t c_n = std::min<int64_t>(32, C - c0);
-        if (packed != nullptr) {  // store and mask in one pass
-          grid.Walk(q0, 32, /*data=*/false, [&](int64_t r, int64_t p) {
-            if (p < 0) return;
-            StoreMaskedRow(acc[(r / 16) * 2] + (r % 16) * 16,
-                           acc[(r / 16) * 2 + 1] + (r % 16) * 16, c_n,
-                           packed + p * PackedBytes(C) + c0 / 4,
-                           dx + p * C + c0);
-          });
-          return;
-        }
-        if (act_est == Estimator::kNone || act_est == Estimator::kSteSign) {
-          StoreRows(grid, q0, acc, ones.data(), c_n, dx + c0, C,
-                    act_est == Estimator::kSteSign ? x + c0 : nullptr,
-                    static_cast<float>(clip));
-          return;
-        }
-        StoreRows(grid, q0, acc, ones.data(), c_n, dx + c0, C);
-        for (int64_t r = 0; r < 32; ++r) {
-          const int64_t p = grid.OutPixel(q0 + r);
-          if (p < 0) continue;
-          float* out = dx + p * C + c0;
-          const float* xr = x + p * C + c0;
-          if (act_est == Estimator::kApproxSign) {  // vectorized
-            for (int64_t j = 0; j < c_n; ++j) out[j] *= ApproxSignGrad(xr[j]);
-            continue;
-          }
-          for (int64_t j = 0; j < c_n; ++j) {
-            out[j] *= ActGrad(act_est, xr[j], clip);
-          }
-        }
+        int64_t pixel[32];
+        grid.Walk(q0, 32, /*data=*/false,
+                  [&](int64_t i, int64_t p) { pixel[i] = p; });
+        StoreDx(pixel, c0, acc, s, x, packed, act_est, clip, dx);
       },
       parallel_for);
   return true;
@@ -219,52 +362,79 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
 #if TAPEHOOK_HAVE_AMX_PATH
   const int64_t C = s.in_c, O = s.out_c, taps = s.k_h * s.k_w;
   const bool binary = act_est != Estimator::kNone;
-  const Grid grid = InputGrid(s);
-  const Taps tp = TapOffsets(s, grid.wp);
+  const int64_t c_pad = RoundUp(C, 32), o_pad = RoundUp(O, 32);
+  // Stride 1: x on the input's grid. Strided: x's phases side by side
+  // (c_pad rows each) on the grid of one phase; tap t reads its phase's
+  // rows x_row[t] on at its shift (file comment).
+  const bool strided = s.stride_h != 1 || s.stride_w != 1;
+  Grid grid;
+  Taps tp;
+  Phases ph;
+  std::vector<int64_t> x_row;
+  if (!strided) {
+    grid = InputGrid(s);
+    tp = TapOffsets(s, grid.wp);
+  } else {
+    ph = PhasesOf(s);
+    grid = PaddedGrid(s.batch, -ph.dmin_h, -ph.dmin_w, ph.a_h, ph.a_w, s.out_h,
+                      s.out_w, ph.dmax_h - ph.dmin_h, ph.dmax_w - ph.dmin_w);
+    for (int64_t t = 0; t < taps; ++t) {
+      tp.off.push_back((ph.dh[t] - ph.dmin_h) * grid.wp + ph.dw[t] - ph.dmin_w);
+      tp.max_off = std::max(tp.max_off, tp.off.back());
+      x_row.push_back(ph.phase[t] * c_pad);
+    }
+  }
+  const int64_t n_phases = strided ? ph.count() : 1;
   const int64_t q_len = RoundUp(grid.q_end(), 32);
   const int64_t qa = RoundUp(q_len + tp.max_off, 32);
-  const int64_t c_pad = RoundUp(C, 32), o_pad = RoundUp(O, 32);
   const int x_n = binary ? 1 : 3;
 
-  // x_hat transposed onto the grid: x_parts[i][c][q].
+  // x_hat transposed onto the grid: x_parts[i][phase * c_pad + c][q].
   std::vector<std::unique_ptr<Buffer>> xb;
   std::vector<const uint16_t*> x_parts;
   for (int i = 0; i < x_n; ++i) {
-    xb.emplace_back(new Buffer(c_pad * qa));
+    xb.emplace_back(new Buffer(n_phases * c_pad * qa));
     x_parts.push_back(xb.back()->p);
   }
   // Blocks of 128 grid rows by 32 channels: split row-major into tmp (L1),
   // then write each channel's run of 128 values.
   constexpr int64_t kQBlock = 128;
   const int64_t q_blocks = (qa + kQBlock - 1) / kQBlock;
+  const int64_t c_blocks = n_phases * c_pad / 32;
   parallel_for(
-      q_blocks * (c_pad / 32), kQBlock * 32 * 8, [&](int64_t v0, int64_t v1) {
+      q_blocks * c_blocks, kQBlock * 32 * 8, [&](int64_t v0, int64_t v1) {
         std::vector<uint16_t> tmp(kQBlock * 96);
         for (int64_t v = v0; v < v1; ++v) {
-          const int64_t q0 = v / (c_pad / 32) * kQBlock,
-                        c0 = v % (c_pad / 32) * 32;
+          const int64_t q0 = v / c_blocks * kQBlock;
+          const int64_t row0 = v % c_blocks * 32;  // phase * c_pad + c0
+          const int64_t f = row0 / c_pad, c0 = row0 % c_pad;
           const int64_t nq = std::min(kQBlock, qa - q0);
           const int64_t nc =
               std::max<int64_t>(0, std::min<int64_t>(32, C - c0));
-          grid.Walk(q0, nq, /*data=*/true, [&](int64_t i, int64_t p) {
-            uint16_t* row = &tmp[i * 96];
-            if (p < 0 || nc == 0) {
-              std::fill(row, row + 96, uint16_t{0});
-            } else if (binary) {
-              if (packed != nullptr) {
-                SignRowFromBits(packed + p * PackedBytes(C), c0, nc, row);
-              } else {
-                SignRow(x + p * C + c0, nc, row);
-              }
-            } else {
-              SplitRow(x + p * C + c0, nullptr, nc, 32, row);
-            }
-          });
+          grid.WalkCoords(
+              q0, nq, /*data=*/true,
+              [&](int64_t i, int64_t n, int64_t a, int64_t b) {
+                uint16_t* row = &tmp[i * 96];
+                const int64_t p = strided ? ph.Full(f, n, a, b)
+                                  : n < 0 ? -1
+                                          : (n * grid.rows + a) * grid.cols + b;
+                if (p < 0 || nc == 0) {
+                  std::fill(row, row + 96, uint16_t{0});
+                } else if (binary) {
+                  if (packed != nullptr) {
+                    SignRowFromBits(packed + p * PackedBytes(C), c0, nc, row);
+                  } else {
+                    SignRow(x + p * C + c0, nc, row);
+                  }
+                } else {
+                  SplitRow(x + p * C + c0, nullptr, nc, 32, row);
+                }
+              });
           for (int i = 0; i < x_n; ++i) {  // nq is a multiple of 32
             for (int64_t c8 = 0; c8 < 32; c8 += 8) {
               for (int64_t q8 = 0; q8 < nq; q8 += 8) {
                 Transpose8x8(&tmp[q8 * 96 + i * 32 + c8], 96,
-                             xb[i]->p + (c0 + c8) * qa + q0 + q8, qa);
+                             xb[i]->p + (row0 + c8) * qa + q0 + q8, qa);
               }
             }
           }
@@ -284,8 +454,8 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
   // unit's sums go straight to dW, with no partial sums through memory; it
   // may take halving the channels per item (each half then re-reads dy).
   constexpr int64_t kItemBytes = int64_t{1} << 20;
-  auto bytes_per_q = [&](int64_t c_group) {
-    return (x_n * 32 * c_group + 3 * 32) * 2;
+  auto bytes_per_q = [&](int64_t c_group) {  // an item reads every phase
+    return (x_n * 32 * c_group * n_phases + 3 * 32) * 2;
   };
   int64_t c_group = c_pairs;
   if (q_len * bytes_per_q(c_group) > kItemBytes &&
@@ -346,6 +516,7 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
   g.q_len = q_len;
   g.kblock = kblock;
   g.off = tp.off.data();
+  g.x_row = strided ? x_row.data() : nullptr;
   g.taps = taps;
   g.c_pairs = c_pairs;
   g.o_pairs = o_pairs;

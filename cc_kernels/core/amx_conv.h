@@ -24,11 +24,12 @@
 // kernels.py checks the value), else 3. The forward and a weight-only
 // conv's backprop-filter always split exactly.
 //
-// Scope: float32, stride 1 (any dilation and padding; backprop-input needs
-// pad_top <= (k_h - 1) * dil_h and likewise for the width, true for SAME and
-// VALID). Each entry point returns false without writing anything when AMX is
-// not usable or the shape is outside that scope; the caller then runs the
-// portable / AVX2 kernels.
+// Scope: float32; the forward stride 1 (any dilation and padding); the
+// backprops any stride (strided ones by phases, amx_conv.cc) and dilation.
+// Backprop-input, and a strided backprop-filter, need pad_top <= (k_h - 1)
+// * dil_h and likewise for the width, true for SAME and VALID. Each entry point
+// returns false without writing anything when AMX is not usable or the shape is
+// outside that scope; the caller then runs the portable / AVX2 kernels.
 #ifndef TAPEHOOK_CORE_AMX_CONV_H_
 #define TAPEHOOK_CORE_AMX_CONV_H_
 

@@ -53,6 +53,14 @@ struct ShiftedGemm {
   int64_t o_group;  // o pairs per group
   std::function<void(int64_t r0, int64_t r1, uint16_t* dst)> fill;
   int64_t rows, max_off;  // rows [0, rows) of A exist; largest tap offset
+  // Where phase_pairs > 0, output column pairs [f * phase_pairs, (f + 1) *
+  // phase_pairs) have their own phase_taps[f] taps at phase_off[f] and B
+  // phase_b[f] (laid out as b for phase_pairs pairs) instead of taps / off /
+  // b: a strided backprop-input's phases, one A for all (amx_conv.cc).
+  int64_t phase_pairs = 0;
+  std::vector<int64_t> phase_taps;
+  std::vector<const int64_t*> phase_off;
+  std::vector<const uint16_t*> phase_b;
   int64_t units() const {
     return (o_pairs + o_group - 1) / o_group * q_pairs * o_group;
   }
@@ -110,9 +118,20 @@ TAPEHOOK_AMX inline void ShiftedGemmUnits(const ShiftedGemm& g, int64_t u0,
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    const uint16_t* bt = g.b + op * g.taps * chunks * 1024;
-    for (int64_t t = 0; t < g.taps; ++t) {
-      const uint16_t* a0 = a + (q0 - win_begin + g.off[t]) * ka;
+    int64_t taps = g.taps;
+    const int64_t* off = g.off;
+    const uint16_t* bt = nullptr;
+    if (g.phase_pairs > 0) {
+      const int64_t f = op / g.phase_pairs;
+      taps = g.phase_taps[f];
+      off = g.phase_off[f];
+      if (taps > 0)
+        bt = g.phase_b[f] + op % g.phase_pairs * taps * chunks * 1024;
+    } else {
+      bt = g.b + op * g.taps * chunks * 1024;
+    }
+    for (int64_t t = 0; t < taps; ++t) {
+      const uint16_t* a0 = a + (q0 - win_begin + off[t]) * ka;
       for (int64_t kc = 0; kc < chunks; ++kc, bt += 1024) {
         _tile_loadd(6, bt, 64);
         _tile_loadd(7, bt + 512, 64);
@@ -158,31 +177,37 @@ inline void RunShiftedGemm(const ShiftedGemm& g, const BlockStore& store,
 // shifted GEMM before its pair-interleaving. transposed = false: S[t][c][o]
 // = sign W[t][c][o] (the forward); true: S[t][o][c] = sign W[taps-1-t][c][o]
 // (backprop-input's flipped, transposed filter), transposed in 8 x 8 blocks.
+// tap_of, when given, names W's tap for each of S's `taps` taps instead (no
+// flip): a strided backprop-input's phase takes a subset of W's taps.
 inline std::unique_ptr<Buffer> SignMatrix(const float* w, int64_t taps,
                                           int64_t C, int64_t O, bool transposed,
                                           int64_t kp, int64_t n_pad,
-                                          const ParallelFor& parallel_for) {
+                                          const ParallelFor& parallel_for,
+                                          const int64_t* tap_of = nullptr) {
   std::unique_ptr<Buffer> sm(new Buffer(taps * kp * n_pad));
   uint16_t* out = sm->p;
   parallel_for(taps, kp * n_pad, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       uint16_t* st = out + t * kp * n_pad;
       std::fill(st, st + kp * n_pad, uint16_t{0});
+      const int64_t wt = tap_of       ? tap_of[t]
+                         : transposed ? taps - 1 - t
+                                      : t;  // W's tap
       if (!transposed) {
         for (int64_t c = 0; c < C; ++c) {
-          const float* wr = w + (t * C + c) * O;
+          const float* wr = w + (wt * C + c) * O;
           uint16_t* row = st + c * n_pad;
           for (int64_t o = 0; o < O; ++o) row[o] = SignBf16(wr[o]);
         }
         continue;
       }
-      // Rows of sign W[taps-1-t] (c, o), 8 at a time, transposed into S.
+      // Rows of sign W[wt] (c, o), 8 at a time, transposed into S.
       const int64_t o8 = RoundUp(O, 8);
       std::vector<uint16_t> rows(8 * o8);
       for (int64_t c0 = 0; c0 < C; c0 += 8) {
         std::fill(rows.begin(), rows.end(), uint16_t{0});
         for (int64_t c = c0; c < std::min(C, c0 + 8); ++c) {
-          const float* wr = w + ((taps - 1 - t) * C + c) * O;
+          const float* wr = w + (wt * C + c) * O;
           for (int64_t o = 0; o < O; ++o)
             rows[(c - c0) * o8 + o] = SignBf16(wr[o]);
         }
@@ -222,10 +247,11 @@ inline void PackShiftedB(const uint16_t* sm, int64_t taps, int64_t kp,
 inline std::unique_ptr<Buffer> SignB(const float* w, int64_t taps, int64_t C,
                                      int64_t O, bool transposed, int64_t kp,
                                      int64_t n_pad,
-                                     const ParallelFor& parallel_for) {
+                                     const ParallelFor& parallel_for,
+                                     const int64_t* tap_of = nullptr) {
   std::unique_ptr<Buffer> b(new Buffer(n_pad * taps * kp));
   const auto sm =
-      SignMatrix(w, taps, C, O, transposed, kp, n_pad, parallel_for);
+      SignMatrix(w, taps, C, O, transposed, kp, n_pad, parallel_for, tap_of);
   PackShiftedB(sm->p, taps, kp, n_pad, b->p, parallel_for);
   return b;
 }
@@ -265,16 +291,16 @@ inline std::vector<float> PaddedScale(const float* alpha, int64_t n) {
   return out;
 }
 
-// Writes the output-pixel rows of a finished 32 x 32 block (c as in
-// BlockStore) to out[pixel * ld + j] = c * scale[j], j < n, or 0 where
-// clip_x is given and !(|clip_x[pixel * ld + j]| <= clip) (the ste_sign
-// mask).
+// Writes row i of a finished 32 x 32 block (c as in BlockStore) to
+// out[pixel[i] * ld + j] = c * scale[j], j < n, for each pixel[i] >= 0, or 0
+// where clip_x is given and !(|clip_x[pixel * ld + j]| <= clip) (the
+// ste_sign mask).
 #if TAPEHOOK_HAVE_AMX_PATH
-TAPEHOOK_AMX inline void StoreRows(const Grid& grid, int64_t q0,
-                                   const float (*c)[256], const float* scale,
-                                   int64_t n, float* out, int64_t ld,
-                                   const float* clip_x = nullptr,
-                                   float clip = 0) {
+TAPEHOOK_AMX inline void StoreRowsAt(const int64_t* pixel,
+                                     const float (*c)[256], const float* scale,
+                                     int64_t n, float* out, int64_t ld,
+                                     const float* clip_x = nullptr,
+                                     float clip = 0) {
   const __mmask16 kl = n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
   const __mmask16 kr = n >= 32   ? __mmask16(0xFFFF)
                        : n <= 16 ? __mmask16(0)
@@ -282,9 +308,6 @@ TAPEHOOK_AMX inline void StoreRows(const Grid& grid, int64_t q0,
   const __m512 sl = _mm512_maskz_loadu_ps(kl, scale);
   const __m512 sr = _mm512_maskz_loadu_ps(kr, scale + 16);
   const __m512 lim = _mm512_set1_ps(clip);
-  int64_t pixel[32];
-  grid.Walk(q0, 32, /*data=*/false,
-            [&](int64_t i, int64_t p) { pixel[i] = p; });
   for (int64_t i = 0; i < 32; ++i) {
     if (pixel[i] < 0) continue;
     const int64_t at = pixel[i] * ld;
@@ -305,11 +328,11 @@ TAPEHOOK_AMX inline void StoreRows(const Grid& grid, int64_t q0,
   }
 }
 #else
-inline void StoreRows(const Grid& grid, int64_t q0, const float (*c)[256],
-                      const float* scale, int64_t n, float* out, int64_t ld,
-                      const float* clip_x = nullptr, float clip = 0) {
+inline void StoreRowsAt(const int64_t* pixel, const float (*c)[256],
+                        const float* scale, int64_t n, float* out, int64_t ld,
+                        const float* clip_x = nullptr, float clip = 0) {
   for (int64_t r = 0; r < 32; ++r) {
-    const int64_t p = grid.OutPixel(q0 + r);
+    const int64_t p = pixel[r];
     if (p < 0) continue;
     float* dst = out + p * ld;
     const float* xr = clip_x ? clip_x + p * ld : nullptr;
@@ -332,6 +355,16 @@ inline void StoreRows(const Grid& grid, int64_t q0, const float (*c)[256],
 
 #endif
 
+// StoreRowsAt for the output pixels of grid rows q0 .. q0 + 31.
+inline void StoreRows(const Grid& grid, int64_t q0, const float (*c)[256],
+                      const float* scale, int64_t n, float* out, int64_t ld,
+                      const float* clip_x = nullptr, float clip = 0) {
+  int64_t pixel[32];
+  grid.Walk(q0, 32, /*data=*/false,
+            [&](int64_t i, int64_t p) { pixel[i] = p; });
+  StoreRowsAt(pixel, c, scale, n, out, ld, clip_x, clip);
+}
+
 // ---------------------------------------------------------------------------
 // Backprop filter: dW_t[c, o] = sum_q X[c, q + off[t]] * D[q, o], X being
 // x_hat on the grid transposed (rows = channels), D being dy on the grid
@@ -344,6 +377,9 @@ struct FilterGemm {
   std::function<void(int64_t, int64_t, int64_t, uint16_t* const*)> fill_d;
   int64_t q_len, kblock;
   const int64_t* off;
+  // Where given, tap t reads x_parts' rows from x_row[t] on (a strided
+  // conv's x has one block of c_pad rows per phase, amx_conv.cc).
+  const int64_t* x_row = nullptr;
   int64_t taps, c_pairs, o_pairs;
   int64_t c_group;  // c pairs per item
   // Products kept: x part x_of[i] times dy part d_of[i], grouped by x part.
@@ -383,8 +419,9 @@ TAPEHOOK_AMX inline void FilterGemmItems(const FilterGemm& g, int64_t i0,
     }
     const int64_t cp1 = std::min(g.c_pairs, (cg + 1) * g.c_group);
     for (int64_t t = 0; t < g.taps; ++t) {
+      const int64_t row0 = g.x_row != nullptr ? g.x_row[t] : 0;
       for (int64_t cp = cg * g.c_group; cp < cp1; ++cp) {
-        const int64_t c0 = cp * 32;
+        const int64_t c0 = row0 + cp * 32;
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);

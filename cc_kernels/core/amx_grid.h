@@ -36,17 +36,25 @@ struct Grid {
   // without a division per row.
   template <typename F>
   void Walk(int64_t q0, int64_t n, bool data, F f) const {
+    WalkCoords(q0, n, data, [&](int64_t i, int64_t img, int64_t r, int64_t c) {
+      f(i, img < 0 ? -1
+           : data  ? (img * rows + r) * cols + c
+                   : (img * out_h + r) * out_w + c);
+    });
+  }
+  // The same with the pixel as f(i, image, row, column) of the data (or
+  // output) image; image = -1 where there is none.
+  template <typename F>
+  void WalkCoords(int64_t q0, int64_t n, bool data, F f) const {
     int64_t img = q0 / plane(), row = q0 % plane() / wp, col = q0 % wp;
     for (int64_t i = 0; i < n; ++i) {
       if (data) {
         const int64_t r = row - top, c = col - left;
-        f(i, img < batch && r >= 0 && r < rows && c >= 0 && c < cols
-                 ? (img * rows + r) * cols + c
-                 : -1);
+        const bool in = img < batch && r >= 0 && r < rows && c >= 0 && c < cols;
+        f(i, in ? img : -1, r, c);
       } else {
-        f(i, img < batch && row < out_h && col < out_w
-                 ? (img * out_h + row) * out_w + col
-                 : -1);
+        const bool in = img < batch && row < out_h && col < out_w;
+        f(i, in ? img : -1, row, col);
       }
       if (++col == wp) {
         col = 0;

@@ -608,7 +608,8 @@ void TestParsingAndEstimators() {
 
 // Zero-size batch: nothing to compute, but dw must still be written (as 0).
 // The capability query and plan resolution (plan.h): names round-trip, the
-// switches take tiers away, AMX never takes a stride-2 or double conv, a
+// switches take tiers away, AMX takes a stride-2 conv's backprops but not
+// its forward and never a double conv, a
 // plan that cannot run is refused with a message naming it, and a conv
 // without pixels accepts any plan.
 void TestPlans() {
@@ -646,8 +647,15 @@ void TestPlans() {
   ConvShape strided = s;
   strided.stride_h = strided.stride_w = 2;
   tapehook::ComputeConvGeometry(Padding::kSame, 0, 0, 0, 0, &strided);
-  CHECK(!tapehook::CanRun(caps(dw, true, false, strided), Impl::kAmx),
-        "no AMX for stride 2");
+  CHECK(tapehook::CanRun(caps(dw, true, false, strided), Impl::kAmx) ==
+            tapehook::amx::Usable(),
+        "AMX offered for a stride-2 dW (by phases) exactly where usable");
+  CHECK(tapehook::CanRun(
+            caps(tapehook::ConvOp::kBackpropInput, false, false, strided),
+            Impl::kAmx) == tapehook::amx::Usable(),
+        "AMX offered for a stride-2 dX (by phases) exactly where usable");
+  CHECK(!tapehook::CanRun(caps(fwd, false, false, strided), Impl::kAmx),
+        "no AMX for a stride-2 forward");
   tapehook::cpu::SetSwitchesForTest({false, false, /*no_avx2=*/true});
   for (auto op : {fwd, tapehook::ConvOp::kBackpropInput, dw}) {
     CHECK(caps(op, true, false, s) == 1u, "only portable with no AVX2");
