@@ -85,7 +85,12 @@ AMX_MIN_PIXELS = 128
 # binary-input dW stays on AMX at every size, from floats or packed bits:
 # 1.08-1.28x the sign-table kernel at 7x7 and 4x4 since the AMX dW's dy
 # layout stopped overfilling L2 sets (before, it ran 1.05-2.4x slower there,
-# and this rule sent dW to the sign tables too).
+# and this rule sent dW to the sign tables too). Since the AMX grid shares
+# its padding (bench/results/backprops_amx_grid_ab_new_*.json) 7x7 is at
+# parity (sign-table over AMX: 7x7x256 1.03x, 7x7x512 0.95x), so the line
+# stays. A stride-2 dX counts its input image: at 7x7 (4x4 out) the
+# sign-table kernel is 1.28x AMX's phases, at 14x14 0.96-1.04x
+# (bench/results/backprops_amx_strided_*.json).
 AMX_MIN_IMAGE_PIXELS = 100
 
 

@@ -452,15 +452,21 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
   // An item's columns of x and dy fill about 1 MiB of L2 (more thrashes it;
   // bench/run.py's 7x7x512 dW shows it). All of K in one block lets each
   // unit's sums go straight to dW, with no partial sums through memory; it
-  // may take halving the channels per item (each half then re-reads dy).
+  // may take halving the channels per item, repeatedly (each part then
+  // re-reads its slice of dy, which its thread keeps split when the parts
+  // of one o pair run in a row). Halving only once left 7x7x512 (batch 32)
+  // in 3 k blocks, whose partial sums (3 x 9.4 MB) went through memory:
+  // halving to a quarter made its dW 1.28-1.33x as fast, a stride-2
+  // 14x14x256 -> 512 one 1.29-1.31x (bench/results/backprops_amx_cgroup_*).
   constexpr int64_t kItemBytes = int64_t{1} << 20;
   auto bytes_per_q = [&](int64_t c_group) {  // an item reads every phase
     return (x_n * 32 * c_group * n_phases + 3 * 32) * 2;
   };
   int64_t c_group = c_pairs;
-  if (q_len * bytes_per_q(c_group) > kItemBytes &&
-      q_len * bytes_per_q((c_pairs + 1) / 2) <= kItemBytes) {
-    c_group = (c_pairs + 1) / 2;
+  int64_t smaller = c_pairs;
+  while (q_len * bytes_per_q(c_group) > kItemBytes && smaller > 1) {
+    smaller = (smaller + 1) / 2;
+    if (q_len * bytes_per_q(smaller) <= kItemBytes) c_group = smaller;
   }
   const int64_t kblock = std::min(
       q_len,
