@@ -40,8 +40,9 @@ TF with oneDNN on and off (docs/performance.md):
   one of the 16 signed sums of 4 float values per lane, 64 multiply-adds per
   permute and add against 16 per FMA; 1.6-3.0x of oneDNN's float backprops
   at the Bi-Real-Net and QuickNet shapes, batch 32 (bench/lut_backprop/);
-  also dX on AMX CPUs where the image is under AMX_MIN_IMAGE_PIXELS pixels
-  (7x7, 4x4), where it beats the AMX GEMM;
+  also dX on AMX CPUs where dy's image is under AMX_MIN_IMAGE_PIXELS pixels
+  (4x4: a 4x4 stage, or a stride-2 conv from 7x7), where it beats the AMX
+  GEMM;
 - otherwise, where TF runs Eigen's convolutions (oneDNN off, as TF sets it
   on AVX2 CPUs), plan ``avx2``: dX on tapehook's AVX2 GEMM, 1.0-4.4x of
   Eigen's backprop-input at the Bi-Real-Net and QuickNet shapes, and a
@@ -77,21 +78,21 @@ def policy() -> str:
 # 1x1: forward 1.2-1.3x, dX 1.2x, a float-input dW 0.96-1.07x.
 AMX_MIN_TAPS = 4
 AMX_MIN_PIXELS = 128
-# On an AMX CPU, a dX with sign W over images of fewer pixels than this runs
-# on the AVX-512 sign-table kernel, not the AMX GEMM (whose fixed preparation
-# of the float dy does not pay there). Bench (bench/results/backprops_amx.json,
-# batch 32, 3x3, min / median): sign-table over AMX 7x7x256 1.18x / 1.19x,
-# 4x4x512 1.44x / 1.59x, 7x7x512 1.15x; from 14x14 on AMX is ahead. A
+# On an AMX CPU, a dX with sign W whose dy has images of fewer pixels than
+# this runs on the AVX-512 sign-table kernel, not the AMX GEMM (whose fixed
+# preparation of the float dy does not pay there). dy's image, not x's: a
+# strided dX's AMX GEMM runs over dy's grid (by phases). Bench (batch 32,
+# 3x3, min over 2 runs, bench/backprops.py --plans amx,avx512 --only 7x7;
+# bench/results/backprops_amx_7x7_*.json): 4x4 dy (a stride-2 conv from
+# 7x7x256) sign-table 1.24-1.29x AMX; 7x7 dy AMX 1.05-1.12x (7x7x256) and
+# 1.18x (7x7x512), since the AMX grid shares its padding and the dW / dX
+# blocking fits L2 (before, AMX lost there 1.15-1.19x and the line was 100
+# pixels of x); 4x4x512 sign-table 1.44x / 1.59x (backprops_amx.json). A
 # binary-input dW stays on AMX at every size, from floats or packed bits:
 # 1.08-1.28x the sign-table kernel at 7x7 and 4x4 since the AMX dW's dy
 # layout stopped overfilling L2 sets (before, it ran 1.05-2.4x slower there,
-# and this rule sent dW to the sign tables too). Since the AMX grid shares
-# its padding (bench/results/backprops_amx_grid_ab_new_*.json) 7x7 is at
-# parity (sign-table over AMX: 7x7x256 1.03x, 7x7x512 0.95x), so the line
-# stays. A stride-2 dX counts its input image: at 7x7 (4x4 out) the
-# sign-table kernel is 1.28x AMX's phases, at 14x14 0.96-1.04x
-# (bench/results/backprops_amx_strided_*.json).
-AMX_MIN_IMAGE_PIXELS = 100
+# and this rule sent dW to the sign tables too).
+AMX_MIN_IMAGE_PIXELS = 49
 
 
 def _known(shape, dims):
@@ -122,6 +123,20 @@ def _amx_pays(capabilities, attrs, x_shape, w_shape, min_taps) -> bool:
     ):
         return False
     return not (_known(w_shape, 2) and int(w_shape[0]) * int(w_shape[1]) < min_taps)
+
+
+def _dy_image(attrs, x_shape, w_shape):
+    """Pixels of one image of dy (the conv's output) for SAME / VALID
+    padding, or None where x's or w's spatial dims are unknown."""
+    if not (_known(x_shape, 3) and _known(w_shape, 2)):
+        return None
+    pixels = 1
+    for axis in (1, 2):
+        size, stride = int(x_shape[axis]), int(attrs["strides"][axis])
+        if attrs["padding"] == "VALID":
+            size -= (int(w_shape[axis - 1]) - 1) * int(attrs["dilations"][axis])
+        pixels *= max(0, -(-size // stride))
+    return pixels
 
 
 def choose(
@@ -185,7 +200,7 @@ def choose(
     min_taps = 1 if packed or not filter_grad else AMX_MIN_TAPS
     if not _amx_pays(capabilities, attrs, x_shape, w_shape, min_taps):
         return otherwise
-    image = int(x_shape[1]) * int(x_shape[2]) if _known(x_shape, 3) else None
+    image = _dy_image(attrs, x_shape, w_shape)
     if (
         image is not None
         and image < AMX_MIN_IMAGE_PIXELS

@@ -179,7 +179,8 @@ AMX_GEMM = frozenset({"amx", "avx2", "portable"})  # e.g. a weight-only dW on AM
 SAME = dict(strides=[1, 1, 1, 1], padding="SAME", explicit_paddings=[], dilations=[1, 1, 1, 1])
 DILATED = dict(SAME, dilations=[1, 2, 2, 1])
 EXPLICIT = dict(SAME, padding="EXPLICIT", explicit_paddings=[0, 0, 1, 1, 1, 1, 0, 0])
-BIG, SMALL, TINY_IMAGE = (2, 32, 32, 8), (1, 10, 10, 8), (16, 7, 7, 8)
+BIG, SMALL, TINY_IMAGE = (2, 32, 32, 8), (1, 10, 10, 8), (16, 4, 4, 8)
+STRIDED = dict(SAME, strides=[1, 2, 2, 1])
 K3, K1 = (3, 3, 8, 16), (1, 1, 8, 16)
 FWD, DX, DW = "forward", "backprop_input", "backprop_filter"
 TABLE = [
@@ -228,7 +229,7 @@ TABLE = [
     # dW: 1x1 from floats not on AMX (sign-table), from packed bits on AMX
     (DW, SAME, BIG, K1, True, False, AMX, "auto", True, "avx512"),
     (DW, SAME, BIG, K1, True, True, AMX, "auto", True, "amx"),
-    # dX over small images (7x7, 4x4): the sign-table kernel beats AMX's;
+    # dX over small images (4x4 dy): the sign-table kernel beats AMX's;
     # a binary-input dW (from floats or packed bits) stays on AMX ...
     (DW, SAME, TINY_IMAGE, K3, True, False, AMX, "auto", True, "amx"),
     (DW, SAME, TINY_IMAGE, K3, True, True, AMX, "auto", True, "amx"),
@@ -240,7 +241,14 @@ TABLE = [
     (DW, SAME, TINY_IMAGE, K3, True, True, AMX_GEMM, "auto", True, "amx"),
     # (a weight-only dW has no ±1 operand: not affected)
     (DW, SAME, TINY_IMAGE, K3, False, False, AMX_GEMM, "auto", False, "amx"),
-    # from 10x10 pixels on: AMX
+    # from 7x7 pixels of dy on: AMX; a stride-2 dX counts dy's image (7x7
+    # x: 4x4 dy, 14x14 x: 7x7 dy); VALID shrinks it (9x9 x, 3x3: 7x7 dy)
+    (DX, SAME, (16, 7, 7, 8), K3, True, True, AMX, "auto", True, "amx"),
+    (DX, STRIDED, (16, 7, 7, 8), K3, True, True, AMX, "auto", True, "avx512"),
+    (DX, STRIDED, (16, 14, 14, 8), K3, True, True, AMX, "auto", True, "amx"),
+    (DX, dict(SAME, padding="VALID"), (16, 9, 9, 8), K3, True, True, AMX, "auto", True, "amx"),
+    (DX, dict(SAME, padding="VALID"), (16, 8, 8, 8), K3, True, True, AMX, "auto", True, "avx512"),
+    (DW, STRIDED, (16, 7, 7, 8), K3, True, True, AMX, "auto", True, "amx"),
     (DW, SAME, (16, 10, 10, 8), K3, True, True, AMX, "auto", True, "amx"),
     (DX, SAME, (16, 10, 10, 8), K3, True, False, AMX, "auto", True, "amx"),
     # weight-only dW (float x float, no sign-table kernel): oneDNN's
