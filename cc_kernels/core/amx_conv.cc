@@ -19,7 +19,8 @@
 // that phase reads at a fixed shift (d_h, d_w) from the output pixel: a
 // stride-1 problem again. dW: x's phases side by side on one grid, tap t
 // reading its phase's rows (FilterGemm::x_row) at its shift. dX: one
-// shifted GEMM per phase over dy, with that phase's taps, storing into the
+// shifted GEMM over dy whose output columns are (phase, channel), each
+// phase with its own taps (ShiftedGemm::phase_taps), storing into the
 // phase's pixels of dx. Either does the stride-1 kernels' work per
 // multiply-add, none on taps that read nothing.
 #include "amx_conv.h"
