@@ -154,9 +154,9 @@ int64_t FloorDiv(int64_t a, int64_t b) {
   return a >= 0 ? a / b : -((-a + b - 1) / b);
 }
 
-// A strided conv's taps by phase (file comment): tap t = kh * k_w + kw
-// reads phase phase[t] = p_h * stride_w + p_w of the input at shift
-// (dh[t], dw[t]) from the output pixel.
+// A conv's taps by phase (file comment): tap t = kh * k_w + kw reads phase
+// phase[t] = p_h * stride_w + p_w of the input at shift (dh[t], dw[t])
+// from the output pixel. Stride 1: one phase, the input itself.
 struct Phases {
   int64_t s_h, s_w;  // the strides
   int64_t a_h, a_w;  // a phase's image: ceil(in / stride) a side
@@ -364,28 +364,22 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
   const int64_t C = s.in_c, O = s.out_c, taps = s.k_h * s.k_w;
   const bool binary = act_est != Estimator::kNone;
   const int64_t c_pad = RoundUp(C, 32), o_pad = RoundUp(O, 32);
-  // Stride 1: x on the input's grid. Strided: x's phases side by side
-  // (c_pad rows each) on the grid of one phase; tap t reads its phase's
-  // rows x_row[t] on at its shift (file comment).
-  const bool strided = s.stride_h != 1 || s.stride_w != 1;
-  Grid grid;
+  // x's phases side by side (c_pad rows each) on the grid of one phase;
+  // tap t reads its phase's rows x_row[t] on at its shift (file comment).
+  // At stride 1 there is one phase, the whole input: the grid is
+  // InputGrid(s) and the offsets are TapOffsets', by construction.
+  const Phases ph = PhasesOf(s);
+  const Grid grid =
+      PaddedGrid(s.batch, -ph.dmin_h, -ph.dmin_w, ph.a_h, ph.a_w, s.out_h,
+                 s.out_w, ph.dmax_h - ph.dmin_h, ph.dmax_w - ph.dmin_w);
   Taps tp;
-  Phases ph;
   std::vector<int64_t> x_row;
-  if (!strided) {
-    grid = InputGrid(s);
-    tp = TapOffsets(s, grid.wp);
-  } else {
-    ph = PhasesOf(s);
-    grid = PaddedGrid(s.batch, -ph.dmin_h, -ph.dmin_w, ph.a_h, ph.a_w, s.out_h,
-                      s.out_w, ph.dmax_h - ph.dmin_h, ph.dmax_w - ph.dmin_w);
-    for (int64_t t = 0; t < taps; ++t) {
-      tp.off.push_back((ph.dh[t] - ph.dmin_h) * grid.wp + ph.dw[t] - ph.dmin_w);
-      tp.max_off = std::max(tp.max_off, tp.off.back());
-      x_row.push_back(ph.phase[t] * c_pad);
-    }
+  for (int64_t t = 0; t < taps; ++t) {
+    tp.off.push_back((ph.dh[t] - ph.dmin_h) * grid.wp + ph.dw[t] - ph.dmin_w);
+    tp.max_off = std::max(tp.max_off, tp.off.back());
+    x_row.push_back(ph.phase[t] * c_pad);
   }
-  const int64_t n_phases = strided ? ph.count() : 1;
+  const int64_t n_phases = ph.count();
   const int64_t q_len = RoundUp(grid.q_end(), 32);
   const int64_t qa = RoundUp(q_len + tp.max_off, 32);
   const int x_n = binary ? 1 : 3;
@@ -412,25 +406,23 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
           const int64_t nq = std::min(kQBlock, qa - q0);
           const int64_t nc =
               std::max<int64_t>(0, std::min<int64_t>(32, C - c0));
-          grid.WalkCoords(
-              q0, nq, /*data=*/true,
-              [&](int64_t i, int64_t n, int64_t a, int64_t b) {
-                uint16_t* row = &tmp[i * 96];
-                const int64_t p = strided ? ph.Full(f, n, a, b)
-                                  : n < 0 ? -1
-                                          : (n * grid.rows + a) * grid.cols + b;
-                if (p < 0 || nc == 0) {
-                  std::fill(row, row + 96, uint16_t{0});
-                } else if (binary) {
-                  if (packed != nullptr) {
-                    SignRowFromBits(packed + p * PackedBytes(C), c0, nc, row);
-                  } else {
-                    SignRow(x + p * C + c0, nc, row);
-                  }
-                } else {
-                  SplitRow(x + p * C + c0, nullptr, nc, 32, row);
-                }
-              });
+          grid.WalkCoords(q0, nq, /*data=*/true,
+                          [&](int64_t i, int64_t n, int64_t a, int64_t b) {
+                            uint16_t* row = &tmp[i * 96];
+                            const int64_t p = ph.Full(f, n, a, b);
+                            if (p < 0 || nc == 0) {
+                              std::fill(row, row + 96, uint16_t{0});
+                            } else if (binary) {
+                              if (packed != nullptr) {
+                                SignRowFromBits(packed + p * PackedBytes(C), c0,
+                                                nc, row);
+                              } else {
+                                SignRow(x + p * C + c0, nc, row);
+                              }
+                            } else {
+                              SplitRow(x + p * C + c0, nullptr, nc, 32, row);
+                            }
+                          });
           for (int i = 0; i < x_n; ++i) {  // nq is a multiple of 32
             for (int64_t c8 = 0; c8 < 32; c8 += 8) {
               for (int64_t q8 = 0; q8 < nq; q8 += 8) {
@@ -523,7 +515,7 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
   g.q_len = q_len;
   g.kblock = kblock;
   g.off = tp.off.data();
-  g.x_row = strided ? x_row.data() : nullptr;
+  g.x_row = x_row.data();
   g.taps = taps;
   g.c_pairs = c_pairs;
   g.o_pairs = o_pairs;

@@ -380,8 +380,8 @@ struct FilterGemm {
   std::function<void(int64_t, int64_t, int64_t, uint16_t* const*)> fill_d;
   int64_t q_len, kblock;
   const int64_t* off;
-  // Where given, tap t reads x_parts' rows from x_row[t] on (a strided
-  // conv's x has one block of c_pad rows per phase, amx_conv.cc).
+  // Tap t reads x_parts' rows from x_row[t] on (x has one block of c_pad
+  // rows per phase of the conv, amx_conv.cc; one at stride 1).
   const int64_t* x_row = nullptr;
   int64_t taps, c_pairs, o_pairs;
   int64_t c_group;  // c pairs per item
@@ -422,7 +422,7 @@ TAPEHOOK_AMX inline void FilterGemmItems(const FilterGemm& g, int64_t i0,
     }
     const int64_t cp1 = std::min(g.c_pairs, (cg + 1) * g.c_group);
     for (int64_t t = 0; t < g.taps; ++t) {
-      const int64_t row0 = g.x_row != nullptr ? g.x_row[t] : 0;
+      const int64_t row0 = g.x_row[t];
       for (int64_t cp = cg * g.c_group; cp < cp1; ++cp) {
         const int64_t c0 = row0 + cp * 32;
         _tile_zero(0);
