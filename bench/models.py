@@ -472,13 +472,15 @@ def _layer_kind(op_name):
     return "optimizer" if any("assign" in p or "apply" in p for p in parts) else "other"
 
 
-def op_type_breakdown(logdir, top=25):
-    """Self time per TF op type (and per layer kind) on the host threads of a
-    profile (the *.xplane.pb that tf.profiler.experimental writes)."""
+def op_self_times(logdir):
+    """(self_ps, count): self time in picoseconds (an op's duration less the
+    ops nested in it) and number of runs per (op type, op name), over the
+    host threads of a profile (the *.xplane.pb that tf.profiler.experimental
+    writes)."""
     import collections
 
     space = load_xspace(logdir)
-    self_ps, count, by_kind = collections.Counter(), collections.Counter(), collections.Counter()
+    self_ps, count = collections.Counter(), collections.Counter()
     for plane in space.planes:
         if not plane.name.startswith("/host:CPU"):
             continue
@@ -497,19 +499,31 @@ def op_type_breakdown(logdir, top=25):
                     and " " not in kind
                     and not kind.endswith("Dataset")
                 ):
-                    ops.append((e.offset_ps, e.duration_ps, kind, op_name))
+                    ops.append((e.offset_ps, e.duration_ps, (kind, op_name)))
             ops.sort(key=lambda o: (o[0], -o[1]))
-            stack = []  # self time: an op's duration less the ops nested in it
-            for start, dur, kind, op_name in ops:
+            stack = []
+            for start, dur, op in ops:
                 while stack and start >= stack[-1][0] + stack[-1][1]:
                     stack.pop()
                 if stack:
                     self_ps[stack[-1][2]] -= dur
-                    by_kind[_layer_kind(stack[-1][3])] -= dur
-                self_ps[kind] += dur
-                by_kind[_layer_kind(op_name)] += dur
-                count[kind] += 1
-                stack.append((start, dur, kind, op_name))
+                self_ps[op] += dur
+                count[op] += 1
+                stack.append((start, dur, op))
+    return self_ps, count
+
+
+def op_type_breakdown(logdir, top=25):
+    """Self time per TF op type (and per layer kind) on the host threads of a
+    profile (op_self_times)."""
+    import collections
+
+    per_op, per_op_count = op_self_times(logdir)
+    self_ps, count, by_kind = collections.Counter(), collections.Counter(), collections.Counter()
+    for (kind, op_name), ps in per_op.items():
+        self_ps[kind] += ps
+        count[kind] += per_op_count[(kind, op_name)]
+        by_kind[_layer_kind(op_name)] += ps
     total = sum(self_ps.values())
     rows = [
         {

@@ -6,8 +6,9 @@ which instance of an op type is slow, e.g. the last stage's backprops.
     python bench/step_ops.py ... --inter-op-1            # each op's own time, no overlap
     python bench/step_ops.py ... --min-image-pixels 50   # dispatch.AMX_MIN_IMAGE_PIXELS
 
-Prints ms per step for the slowest ops, then per op type. Times under the TF
-profiler; run it on a quiet machine and compare runs alternated."""
+Prints self time (models.op_self_times) in ms per step for the slowest ops,
+then per op type. Times under the TF profiler; run it on a quiet machine and
+compare runs alternated."""
 
 import argparse
 import collections
@@ -17,9 +18,6 @@ import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-# Op types that are the step's work (the rest is executor bookkeeping).
-KINDS = ("Tapehook", "_Mkl", "AddV2", "AddN", "FusedBatch", "Conv2D", "MatMul")
 
 
 def main():
@@ -69,17 +67,7 @@ def main():
     run()
     tf.profiler.experimental.stop()
 
-    per_op, calls = collections.Counter(), collections.Counter()
-    for plane in models.load_xspace(logdir).planes:
-        if not plane.name.startswith("/host:CPU"):
-            continue
-        names = {k: m.name for k, m in plane.event_metadata.items()}
-        for line in plane.lines:
-            for event in line.events:
-                op_name, _, kind = names.get(event.metadata_id, "").rpartition(":")
-                if kind.startswith(KINDS) and "::" not in kind:
-                    per_op[(kind, op_name)] += event.duration_ps
-                    calls[(kind, op_name)] += 1
+    per_op, calls = models.op_self_times(logdir)
     ms = 1e-9 / args.steps
     for (kind, name), ps in per_op.most_common(args.top):
         print(f"{ps * ms:8.2f} ms/step {calls[(kind, name)]:3d}  {kind:45s} {name}")
