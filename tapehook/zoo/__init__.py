@@ -1,0 +1,15 @@
+"""tapehook.zoo: larq-zoo 2.4's models on Keras 3, running on tapehook.
+
+Each model function takes larq-zoo's arguments,
+``Name(*, input_shape=None, input_tensor=None, weights=None, include_top=True,
+num_classes=1000)``, and returns a functional Keras 3 model with larq-zoo's
+architecture, whose binary layers are ``tapehook.larq`` layers.
+``weights`` is None (random initialization), the path of a larq-zoo weights
+file (Keras 2 HDF5, as larq-zoo releases them and tf-keras's
+``save_weights`` writes them), or ``"imagenet"``: larq-zoo's release file,
+downloaded once into Keras's cache and checked against its SHA-256.
+"""
+
+from tapehook.zoo.preprocessing import decode_predictions, preprocess_input
+
+__all__ = ["decode_predictions", "preprocess_input"]
