@@ -27,12 +27,16 @@ test-fast: kernels
 	TAPEHOOK_KERNELS=compiled $(PY) -m pytest -x -q -m "not slow" tests
 
 # Checks only; `make format` applies what these ask for. Also checks that
-# docs/performance.md and the README headline are what bench/results says.
+# docs/performance.md, docs/models.md and the README headline are what
+# bench/results says, and builds the documentation site (mkdocs.yml) into site/
+# with --strict: a broken link, a missing page or a docstring that does not
+# render fails it.
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/clang-format --dry-run --Werror $(CC_SOURCES)
 	$(PY) bench/table.py --check
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # Applies the fixable lint fixes and both formatters (what is left, `make lint`
 # reports). clang-format runs twice: a braced list with /*name=*/ comments can

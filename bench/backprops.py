@@ -2,7 +2,7 @@
 on a plan against stock TF's oneDNN backprops, float32, 2 threads.
 
 What a training step of Bi-Real-Net-18 / QuickNet-small at 112 px, batch 32,
-spends most of its time in (docs/models_perf.md). Per shape and backprop:
+spends most of its time in (docs/models.md). Per shape and backprop:
 
 - ``stock``: tf.raw_ops.Conv2DBackpropInput / Conv2DBackpropFilter on ready
   ±1 operands (alpha * sign W; sign x), masks not applied: what the larq-style

@@ -50,7 +50,7 @@ over rounds; the whole training step's peak memory per sample, as
 bench/memory.py measures it: the process's peak resident memory (ru_maxrss)
 after the fit steps, at batch 32 minus at batch 1, over 31. A profile of one
 tapehook-fused (``--profile-impl``) Bi-Real-Net-18 training step (batch 32,
-112 px), and of its predict, gives the time per op type. Results: bench/results/models.json and models.png; docs/models_perf.md.
+112 px), and of its predict, gives the time per op type. Results: bench/results/models.json and models.png; docs/models.md.
 """
 
 import argparse
@@ -913,7 +913,7 @@ def print_profile(profile, file=sys.stdout, what="training steps"):
 
 
 def markdown(result):
-    """The doc's tables (docs/models_perf.md) from a models.json."""
+    """The doc's tables (docs/models.md) from a models.json."""
 
     def f(v, spec=".1f"):
         return "-" if v is None else format(v, spec)

@@ -1,14 +1,16 @@
-"""Turns bench results into docs: every measured number in docs/performance.md and the
-README's speed headline comes from bench/results/*.json through this file.
+"""Turns bench results into docs: every measured number in docs/performance.md,
+docs/models.md and the README's speed headline comes from bench/results/*.json
+through this file.
 
     python bench/table.py [results.json]   # print the speed table (markdown)
-    python bench/table.py --write          # write docs/performance.md and the README headline
-    python bench/table.py --check          # fail if either differs from what --write writes
+    python bench/table.py --write          # write the two pages and the README headline
+    python bench/table.py --check          # fail if any differs from what --write writes
 
-Inputs: bench/results/latest.json (bench/run.py), bench/results/memory.json
-(bench/memory.py) and, when present, bench/results/baseline.json: a bench/run.py
-run from before the change being measured, shown next to latest.json. The prose
-below is fixed text on purpose: it says why, and leaves the how much to the data.
+Inputs: bench/results/latest.json (bench/run.py), memory.json (bench/memory.py),
+one JSON per other benchmark (OTHER_BENCHMARKS below), the whole-model runs
+(MODEL_RUNS) and, when present, baseline.json: a bench/run.py run from before the
+change being measured, shown next to latest.json. The prose below is fixed text on
+purpose: it says why, and leaves the how much to the data.
 """
 
 import argparse
@@ -19,6 +21,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 DOC = ROOT / "docs" / "performance.md"
+MODELS_DOC = ROOT / "docs" / "models.md"
 README = ROOT / "README.md"
 HEADLINE_START = "<!-- speed headline: written by `python bench/table.py --write` -->"
 HEADLINE_END = "<!-- end of speed headline -->"
@@ -224,8 +227,9 @@ DOC_INTRO = """\
 
 Every number on this page comes from `bench/results/` through `bench/table.py`.
 To refresh it: `python bench/run.py` (options in
-[bench/README.md](../bench/README.md)), `python bench/memory.py`, then
+`bench/README.md`), `python bench/memory.py`, then
 `python bench/table.py --write`, which also rewrites the headline in the README.
+Each table below names the JSON it comes from and the command that rewrites it.
 
 ## Speed
 
@@ -240,55 +244,25 @@ the kernel rows. Shapes: batch 16 (b1: batch 1), NHWC, SAME, stride 1,
 DOC_NOISE = """\
 The benchmark machine is shared and noisy: min and median can differ widely on
 the same row. Compare ratios within one run, and rerun before trusting a single
-cell.
-
-![median speedups](../bench/results/latest.png)
+cell. Every row of the run, per layer shape (median and min-based): `python
+bench/table.py`; `bench/run.py` also charts them in `bench/results/latest.png`.
 """
 
 DOC_WHY = """\
 ### Where the speed comes from
 
-- **Fully binary forward**: bitpacked xor + popcount, with an AVX-512 VPOPCNTDQ
-  tier chosen at run time and AVX2 and portable fallbacks. A 1x1 conv of up to
-  512 channels and a 3x3 conv of up to 64 keep the channel tile's weights in
-  registers while the pixels stream past; other convs use a 6-pixel x
-  32-channel register tile. "Fully binary forward" calls one conv per
-  `tf.function` call; "per conv of a graph" runs many in a `tf.while_loop`, as a
-  model's forward runs its layers. The gap between the two rows is the
-  Python-to-TF call, paid by both sides, and the cache misses of a call that
-  follows stock's conv; it weighs most on small convs (the 1x1 layer, batch 1).
-- **Inference keeps the packed filter**: a forward no tape records (Keras
-  `predict` / `evaluate`, a forward-only `tf.function`) reuses the packed signs
-  of W while the variable's buffer is unchanged, which TF's copy-on-write makes
-  exact ([design.md](design.md), "Kernels and the build"). Each binary conv in
-  a live inference function holds one reference to its filter buffer; writes
-  that bypass TF (in place through DLPack or a NumPy view) are not seen.
+- **Fully binary forward**: bitpacked xor + popcount (AVX-512 VPOPCNTDQ, AVX2
+  and portable tiers chosen at run time). "Per conv of a graph" runs many convs
+  in one `tf.while_loop`, as a model's forward does; the plain row pays a
+  Python-to-TF call per conv, which weighs most on small convs.
+- **Inference keeps the packed filter** while the variable's buffer is
+  unchanged ([Design](design.md)).
 - **Float-operand convolutions** (weight-only forward, both backprops) on Intel
-  AMX: one operand is exactly ±1 (or 0), which bf16 holds exactly, and the float
-  operand is split into three bf16 parts whose sum is exactly the float, so
-  every product is exact and sums accumulate in fp32: fp32 results at bf16 tile
-  speed (`cc_kernels/core/amx_conv.h`; `tests/cc/test_amx_conv.cc` checks the
-  exactness bitwise). The row stores are AVX-512 with the STE mask fused in.
-- **Backprops on AVX-512 without AMX** (dX, and dW of a binary input): for
-  four floats g0..g3 the 16 signed sums ±g0 ±g1 ±g2 ±g3 fill one zmm register,
-  and a vpermps indexed by four sign bits per lane (of W for dX, of x for dW)
-  does 64 multiply-adds where an FMA does 16
-  (`cc_kernels/core/lut_backprop.h`; the prototype's measurements:
-  `bench/lut_backprop/REPORT.md`; at whole-model shapes: `bench/backprops.py`).
-- **dW of a binary input on AVX2**: the same 16 signed sums, of 4 images' dy
-  at one output pixel, stored as 16 vectors of 8 output channels; each input
-  channel's 4 signs of x pick one, and a vaddps with its folded load does 32
-  multiply-adds (`cc_kernels/core/lut_backprop_avx2.h`; against Eigen's
-  backprop-filter at the models' shapes: `bench/backprops.py --plans avx2`).
-- **Packed backward**: the backward of a binary-activation conv reads the 2-bit
-  packed input directly; no float x is rebuilt.
-- **The dispatcher** sends what tapehook does not win to stock ops. The rules,
-  with the measurements behind them, live in `tapehook/dispatch.py`
-  ([design.md](design.md), "Which implementation runs").
-  `TAPEHOOK_DISPATCH=auto` (default) follows them, `kernels` always runs
-  tapehook's kernels (what the tests check against the reference), `stock` never
-  does. `TAPEHOOK_NO_AMX=1`, `TAPEHOOK_NO_AVX512=1` and `TAPEHOOK_NO_AVX2=1` step
-  down the CPU tiers.
+  AMX as exact bf16x3 GEMMs: fp32 results at bf16 tile speed.
+- **Backprops with a ±1 operand** on AVX-512 and AVX2: sign tables, one permute
+  picks one of the 16 signed sums of 4 floats per lane.
+- **The dispatcher** (`tapehook/dispatch.py`) sends what tapehook does not win
+  to stock ops; `TAPEHOOK_DISPATCH=kernels` / `stock` force either side.
 """
 
 DOC_MEMORY = """\
@@ -321,8 +295,6 @@ def performance_doc(data, memory, baseline=None):
         "",
     ]
     out += summary_table(data)
-    out += ["", "Every row (median, min-based in parentheses):", ""]
-    out += speed_table(data)
     out += ["", DOC_NOISE]
     overhead = {
         s: _speedups(data, "eager_step_overhead", s) for s in ("off", "on") if _block(data, s)
@@ -351,28 +323,19 @@ def performance_doc(data, memory, baseline=None):
     out += [
         "## Other benchmarks",
         "",
-        "- Whole models (Bi-Real-Net-18, QuickNet-small; float, larq-style, tapehook, larq "
-        "0.14; with Keras 3's or TF's fused batch norm and Adam): `bench/models.py`, "
-        "[models_perf.md](models_perf.md); what their training steps keep for the "
-        "backward: `bench/saved_tensors.py` (`bench/results/saved_tensors.json`).",
-        "- tapehook.layers.BatchNormalization against Keras 3's, per layer: "
-        "`bench/batch_norm.py` (`bench/results/batch_norm.json`).",
-        "- Deployed files (LiteRT float, LiteRT binary, LCE): `bench/deploy.py`, "
-        "[deploy.md](deploy.md).",
-        "- What importing tapehook costs unmarked eager ops: `bench/overhead.py` "
-        "(`bench/results/overhead.json`).",
-        "- One-padding against zero padding: `bench/padding.py` (`bench/results/padding.json`).",
-        "- Both backprops at Bi-Real-Net / QuickNet shapes, batch 32, against oneDNN: "
-        "`bench/backprops.py` (`bench/results/backprops.json`).",
+        "Whole models (Bi-Real-Net-18, QuickNet-small, against larq 0.14, a larq-style "
+        "composite and float): [Whole models](models.md).",
         "",
     ]
+    for bench in OTHER_BENCHMARKS:
+        out += other_section(bench)
     if baseline is not None:
         out += [
             "## Before and after",
             "",
-            "`bench/results/baseline.json` (before: the commit before the one-conv-plan "
-            "work, 198798f) and `latest.json` (after), on the same machine; their "
-            "dates are on the machine lines.",
+            "`bench/results/baseline.json` (before the change being measured) and "
+            "`latest.json` (after), on the same machine; their dates are on the "
+            "machine lines.",
             "",
             "Before: " + machine_line(baseline),
             "",
@@ -389,6 +352,436 @@ def performance_doc(data, memory, baseline=None):
     return "\n".join(out).rstrip("\n") + "\n"
 
 
+def _ms(cell):
+    return f"{cell['median']:.2f}"
+
+
+def _x(value):
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def adam_clip_table(data):
+    lines = [
+        "| model | px | parameters (clipped) | fused Adam + clip ms | Adam, then clip ms "
+        "| Keras 3 Adam ms | x Adam, then clip | x Keras 3 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        lines.append(
+            f"| {r['model']} | {r['size']} | {r['parameters']:,} ({r['clipped_parameters']:,}) "
+            f"| {_ms(r['ms']['fused'])} | {_ms(r['ms']['separate'])} | {_ms(r['ms']['keras'])} "
+            f"| {_x(r['separate_x']['median'])} | {_x(r['keras_x']['median'])} |"
+        )
+    return lines
+
+
+def batch_norm_table(data):
+    lines = [
+        "| px | batch | feature map | train: Keras / tapehook ms | x | "
+        "inference: Keras / tapehook ms | x |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        ms = r["ms"]
+        lines.append(
+            f"| {r['size']} | {r['batch']} | {r['side']}x{r['side']}x{r['channels']} "
+            f"| {_ms(ms['train keras'])} / {_ms(ms['train tapehook'])} "
+            f"| {_x(r['train_x']['median'])} "
+            f"| {_ms(ms['infer keras'])} / {_ms(ms['infer tapehook'])} "
+            f"| {_x(r['infer_x']['median'])} |"
+        )
+    return lines
+
+
+def backprops_table(data):
+    """Per shape: stock ms and each plan's speedup (median of the file's runs) per backprop."""
+    plans = data.get("plans") or sorted({r["plan"] for r in data["rows"]})
+    kinds = [("dX", "dX"), ("dW", "dW"), ("dW packed", "dW from packed bits")]
+    head = ["shape", "dX stock ms", "dW stock ms"]
+    head += [f"{label}, {plan}" for plan in plans for _, label in kinds]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in data["rows"]:
+        cells = [r["shape"], _ms(r["ms"]["dX stock"]), _ms(r["ms"]["dW stock"])]
+        for plan in plans:
+            for kind, _ in kinds:
+                key = f"{kind} {plan} x" if "plans" in data else f"{kind} x"
+                if "plans" not in data and r.get("plan") != plan:
+                    cells.append("-")
+                    continue
+                values = r.get(key)
+                cells.append(_x(sorted(values)[len(values) // 2]) if values else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def backward_route_table(data):
+    """Median speedup of the auto route's whole backward over stock, per shape and batch."""
+    batches = sorted({r["batch"] for r in data["rows"]})
+    estimators = list(dict.fromkeys(r["estimator"] for r in data["rows"]))
+    lines = [
+        "| shape | input estimator | " + " | ".join(f"batch {b}" for b in batches) + " |",
+        "|---|---|" + "---|" * len(batches),
+    ]
+    for shape in dict.fromkeys(r["shape"] for r in data["rows"]):
+        for est in estimators:
+            by = {
+                r["batch"]: r for r in data["rows"] if r["shape"] == shape and r["estimator"] == est
+            }
+            if not by:
+                continue
+            cells = [
+                _x(sorted(by[b]["x"])[len(by[b]["x"]) // 2]) if b in by else "-" for b in batches
+            ]
+            lines.append(f"| {shape} | {est} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def overhead_table(data):
+    lines = [
+        "| eager op | stock us | tapehook imported: + us | a variable marked elsewhere: + us |",
+        "|---|---|---|---|",
+    ]
+    for op, r in data["table"].items():
+        lines.append(
+            f"| `{op}` | {r['stock']['median_us']:.1f} | {r['imported']['delta_median_us']:+.2f} "
+            f"| {r['marked_elsewhere']['delta_median_us']:+.2f} |"
+        )
+    return lines
+
+
+def padding_table(data):
+    lines = [
+        "| shape | what | zero padding ms | one padding ms | zero / one (median) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        lines.append(
+            f"| {r['shape']} | {r['kind']} | {r['zero_ms_min']:.2f} | {r['one_ms_min']:.2f} "
+            f"| {_x(r['ratio_median'])} |"
+        )
+    return lines
+
+
+def pack_accuracy_table(data):
+    names = {"1": "default: e'(x) in 16-bit fixed point", "float32": "float32: x kept"}
+    lines = [
+        "| `TAPEHOOK_PACK_INPUTS` | test accuracy per seed | final loss per seed |",
+        "|---|---|---|",
+    ]
+    for key, runs in data.items():
+        acc = ", ".join(f"{r['test_accuracy']:.4f}" for r in runs)
+        loss = ", ".join(f"{r['final_loss']:.4f}" for r in runs)
+        lines.append(f"| {names.get(key, key)} | {acc} | {loss} |")
+    return lines
+
+
+def deploy_table(data):
+    lines = [
+        "| file | target | bytes | binary layers | LCE binary convs | ms per image "
+        "| max abs diff vs predict |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        lines.append(
+            f"| {r['name']} | {r['target']} | {r['bytes']:,} | {r['binary_layers']} "
+            f"| {r['bconv']} | {r['ms_batch1']:.2f} | {r['max_abs_diff_vs_predict']:.1e} |"
+        )
+    return lines
+
+
+def saved_tensors_table(data):
+    mib = 2**20
+    models = list(dict.fromkeys(r["model"] for r in data["rows"]))
+    lines = [
+        "| impl | input estimator | " + " | ".join(f"{m} MiB/sample" for m in models) + " |",
+        "|---|---|" + "---|" * len(models),
+    ]
+    by = {(r["model"], r["impl"], r["estimator"]): r for r in data["rows"]}
+    for impl, est in dict.fromkeys((r["impl"], r["estimator"]) for r in data["rows"]):
+        cells = [
+            f"{by[(m, impl, est)]['bytes_per_sample'] / mib:.2f}" if (m, impl, est) in by else "-"
+            for m in models
+        ]
+        lines.append(f"| {impl} | {est or '-'} | " + " | ".join(cells) + " |")
+    return lines
+
+
+# (file in bench/results, title, what it measures, command that rewrites it, table)
+OTHER_BENCHMARKS = [
+    (
+        "batch_norm.json",
+        "tapehook.layers.BatchNormalization against Keras 3's",
+        "Per layer at Bi-Real-Net-18's batch-norm shapes: a training call with its "
+        "backward, and an inference call; median ms, x = Keras time / tapehook time.",
+        "python bench/batch_norm.py",
+        batch_norm_table,
+    ),
+    (
+        "adam_clip.json",
+        "tapehook.optimizers.Adam with a WeightClip in one kernel",
+        "One optimizer step over a whole model's variables (median ms): the fused "
+        "update-and-clip, TF's fused Adam followed by the constraint, and Keras 3's Adam.",
+        "python bench/adam_clip.py",
+        adam_clip_table,
+    ),
+    (
+        "backprops.json",
+        "Binary backprops on AVX-512 (sign tables) against oneDNN",
+        "Both backprops at Bi-Real-Net-18 / QuickNet-small shapes, batch 32, on ready ±1 "
+        "operands; x = stock time / tapehook time.",
+        "python bench/backprops.py",
+        backprops_table,
+    ),
+    (
+        "backprops_amx.json",
+        "Binary backprops on AMX and AVX-512 against oneDNN",
+        "The same at 112 and 224 px on the AMX machine, both kernel plans; the "
+        "dispatcher's AMX rules (`tapehook/dispatch.py`) rest on this table and, for 7x7 "
+        "and 4x4 images, on two alternating runs of `--only 7x7` "
+        "(`bench/results/backprops_amx_7x7_1.json`, `backprops_amx_7x7_2.json`).",
+        "python bench/backprops.py --plans amx,avx512 --sizes 112,224 "
+        "--out bench/results/backprops_amx.json",
+        backprops_table,
+    ),
+    (
+        "backprops_avx2.json",
+        "Binary backprops on AVX2 against Eigen",
+        "The AVX2 kernels (dX GEMM, dW sign tables) where TF runs Eigen's convolutions.",
+        "TAPEHOOK_NO_AVX512=1 python bench/backprops.py --plans avx2 "
+        "--out bench/results/backprops_avx2.json",
+        backprops_table,
+    ),
+    (
+        "backward_route.json",
+        "A binary conv's whole backward: the auto route against stock",
+        "Median x = stock route time / auto route time, batch 1 to 32.",
+        "python bench/backward_route.py",
+        backward_route_table,
+    ),
+    (
+        "saved_tensors.json",
+        "What a training step keeps for its backward",
+        "Traced, not run: the forward tensors the backward reads, per sample, batch 32, "
+        "112 px (`--markdown` breaks them down by layer).",
+        "python bench/saved_tensors.py",
+        saved_tensors_table,
+    ),
+    (
+        "pack_accuracy.json",
+        "Accuracy with approx_sign inputs kept in 16-bit fixed point",
+        "`examples/train_digits.py`'s model with approx_sign inputs, three seeds each.",
+        "python bench/pack_accuracy.py",
+        pack_accuracy_table,
+    ),
+    (
+        "deploy.json",
+        "Deployed files",
+        "A small binary convnet exported three ways ([Deploy](deploy.md)), each file run "
+        "by its interpreter on one thread, batch 1.",
+        "python bench/deploy.py",
+        deploy_table,
+    ),
+    (
+        "overhead.json",
+        "What importing tapehook costs unmarked eager ops",
+        "Median µs per eager call, stock TF; the rows are added time.",
+        "python bench/overhead.py",
+        overhead_table,
+    ),
+    (
+        "padding.json",
+        "One-padding against zero padding",
+        "A binary conv with `pad_value=1.0` against the same with zero padding.",
+        "python bench/padding.py",
+        padding_table,
+    ),
+]
+
+
+def other_section(bench):
+    name, title, what, command, table = bench
+    return [
+        f"### {title}",
+        "",
+        f"{what} From `bench/results/{name}`; rerun: `{command}`.",
+        "",
+        *table(load(RESULTS / name)),
+        "",
+    ]
+
+
+# Whole models: (file in bench/results, what the run measured, its command line).
+MODEL_RUNS = [
+    (
+        "models_112px.json",
+        "Training and predict at 112 px, batch 1 and 32, both models",
+        "python bench/models.py --sizes 112 --batches 1,32 --estimators ste_sign,approx_sign "
+        "--impls float-fused,larq-style,tapehook-fused,tapehook-recompute,"
+        "tapehook-recompute-early,larq --rounds 1 --no-profile --no-tensor-memory "
+        "--larq-python LARQ_ENV/bin/python --out bench/results/models_112px.json",
+    ),
+    (
+        "models_224px.json",
+        "Training and predict of Bi-Real-Net-18 at 224 px, batch 32",
+        "python bench/models.py --models birealnet18 --sizes 224 --batches 32 "
+        "--estimators ste_sign,approx_sign --impls larq-style,float-fused,tapehook-fused,"
+        "tapehook-recompute-early,tapehook-recompute-early-bf16x2,larq --rounds 2 "
+        "--no-profile --no-tensor-memory --larq-python LARQ_ENV/bin/python "
+        "--out bench/results/models_224px.json",
+    ),
+]
+MEMORY_RUNS = [
+    (
+        "models_memory_birealnet_112px.json",
+        "python bench/models.py --models birealnet18 --sizes 112 --batches 1,32 "
+        "--estimators ste_sign,approx_sign --impls larq-style,tapehook-recompute,"
+        "tapehook-recompute-early,larq --rounds 2 --tensor-repeats 2 --tensor-steps 5 "
+        "--no-profile --larq-python LARQ_ENV/bin/python "
+        "--out bench/results/models_memory_birealnet_112px.json",
+    ),
+    (
+        "models_memory_quicknet_112px.json",
+        "python bench/models.py --models quicknet_small --sizes 112 --batches 1,32 "
+        "--estimators ste_sign,approx_sign --impls float-fused,larq-style,tapehook-fused,"
+        "tapehook-recompute,tapehook-recompute-early,larq --rounds 2 --tensor-repeats 2 "
+        "--tensor-steps 5 --no-profile --larq-python LARQ_ENV/bin/python "
+        "--out bench/results/models_memory_quicknet_112px.json",
+    ),
+]
+
+MODELS_INTRO = """\
+# Whole models
+
+<!-- Generated by `python bench/table.py --write` from bench/results/models_*.json; do not
+     edit. `make lint` fails when this file is not what the results say. -->
+
+`bench/models.py` trains (Keras `fit`) and runs (`predict`) two larq-zoo
+architectures on synthetic data, Bi-Real-Net-18 and QuickNet-small, in several
+implementations with the same layers and parameter counts
+(`tests/test_bench_models.py` checks that they compute the same model):
+
+- **float-fused**: the float network with `tapehook.layers.BatchNormalization`
+  and `tapehook.optimizers.Adam` (TF's fused kernels, as tf-keras uses them):
+  the fair float baseline;
+- **larq-style**: larq's math on Keras 3: stock `tf.nn.conv2d` on sign(x) and
+  α · sign(W), each sign a `tf.custom_gradient` with larq's pseudo-gradient,
+  Keras 3's batch norm and Adam;
+- **larq**: larq 0.14 `QuantConv2D` on tf-keras (`TF_USE_LEGACY_KERAS=1`), in a
+  side environment (`--larq-python`); tf-keras trains batch norm and Adam on
+  TF's fused kernels;
+- **tapehook-fused**: the float model binarized with `tapehook.binarize`, with
+  tapehook's batch norm and Adam;
+- **tapehook-recompute**: the same with `BatchNormalization(recompute=True)`
+  and `tapehook.layers.MaxPooling2D` (memory);
+- **tapehook-recompute-early**: recompute only in the first stages, where the
+  kept outputs are largest;
+- **-bf16x2**: with the opt-in `TAPEHOOK_BACKPROP_DY=bf16x2`.
+
+Bi-Real-Net-18: float 7x7 stem, 16 binary 3x3 convs (3 of them stride 2) with
+float shortcuts, float head; kernels `scale="mean_abs"`, `WeightClip(1)`; inputs
+`approx_sign` (its own) or `ste_sign`. QuickNet-small: float stem and
+transitions, 16 binary 3x3 convs padded with +1, residual adds; `ste_sign` clip
+1.25. Every configuration runs in its own subprocess; a round runs a group's
+configurations one after another, in reversed order every other round; ratios
+are between configurations of the same round (median over rounds). img/s:
+batch / median time of the timed steps. `LARQ_ENV` is a virtual environment
+with larq 0.14 and tf-keras.
+"""
+
+MODELS_MEMORY = """\
+## Training memory
+
+The **tensor peak** is the peak bytes of TF tensors during a `fit` step beyond
+what the model, optimizer state and data hold (TF's BFC allocator on the CPU),
+per sample (batch 32 minus batch 1, over 31): what the step keeps for its
+backward plus its transients. It does not count memory outside TF's allocator
+(oneDNN's scratchpads, the kernels' scratch pool). The step's op order changes
+from step to step, and with it the peak, so each run measures several steps and
+the table gives the median step. x lower: larq-style's peak over this one's,
+with the same input estimator.
+"""
+
+
+def _run_line(data):
+    return (
+        f"Measured {data['started'][:10]} on a {data['cpu_count']}-core {data['machine']} "
+        f"({', '.join(f for f in data['cpu_flags'] if f.startswith(('avx512f', 'amx')))}), "
+        f"TF {data['tf_version']}, oneDNN {data['onednn']}, {data['rounds']} round(s)."
+    )
+
+
+def models_speed_table(data):
+    lines = [
+        "| model | batch | impl | input estimator | train img/s | x larq 0.14 | x larq-style "
+        "| x float-fused | predict img/s | predict x larq-style |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    rows = sorted(
+        data["rows"],
+        key=lambda r: (r["model"], -r["batch"], r["estimator"] or "", r["impl"]),
+    )
+    for r in rows:
+        if r["impl"] in ("larq", "larq-style", "float-fused"):
+            continue
+        lines.append(
+            f"| {r['model']} | {r['batch']} | {r['impl']} | {r['estimator'] or '-'} "
+            f"| {r['train_img_s_median']:.1f} | {_x(r.get('train_x_larq_median'))} "
+            f"| {_x(r.get('train_x_larq-style_median'))} "
+            f"| {_x(r.get('train_x_float-fused_median'))} "
+            f"| {r['predict_img_s_median']:.1f} | {_x(r.get('predict_x_larq-style_median'))} |"
+        )
+    base = [r for r in rows if r["impl"] in ("larq", "larq-style", "float-fused")]
+    lines += ["", "The baselines' own rates:", ""]
+    lines += [
+        "| model | batch | impl | input estimator | train img/s | predict img/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['model']} | {r['batch']} | {r['impl']} | {r['estimator'] or '-'} "
+        f"| {r['train_img_s_median']:.1f} | {r['predict_img_s_median']:.1f} |"
+        for r in base
+    ]
+    return lines
+
+
+def models_memory_table(data):
+    lines = [
+        "| model | impl | input estimator | tensor peak MiB/sample | x lower than larq-style |",
+        "|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        peak = r.get("tensor_peak_bytes_per_sample")
+        if peak is None:
+            continue
+        lines.append(
+            f"| {r['model']} | {r['impl']} | {r['estimator'] or '-'} | {peak / 2**20:.2f} "
+            f"| {_x(r.get('tensor_peak_x_lower_than_larq_style'))} |"
+        )
+    return lines
+
+
+def models_doc():
+    out = [MODELS_INTRO, "## Speed", ""]
+    for name, title, command in MODEL_RUNS:
+        data = load(RESULTS / name)
+        out += [f"### {title}", "", f"`bench/results/{name}`. {_run_line(data)} Rerun:", ""]
+        out += ["```bash", command, "```", ""]
+        out += models_speed_table(data)
+        out.append("")
+    out.append(MODELS_MEMORY)
+    for name, command in MEMORY_RUNS:
+        data = load(RESULTS / name)
+        out += [f"`bench/results/{name}`. {_run_line(data)} Rerun:", ""]
+        out += ["```bash", command, "```", ""]
+        out += models_memory_table(data)
+        out.append("")
+    out += [
+        "Where a step's time goes, op by op: `python bench/step_ops.py --inter-op-1` "
+        "(a 224 px Bi-Real-Net-18 step under the TF profiler).",
+    ]
+    return "\\n".join(out).rstrip("\\n") + "\\n"
+
+
 def readme_with_headline(text, line):
     start, end = text.find(HEADLINE_START), text.find(HEADLINE_END)
     if start < 0 or end < start:
@@ -403,6 +796,7 @@ def outputs():
     baseline = load(baseline_path) if baseline_path.exists() else None
     return {
         DOC: performance_doc(data, memory, baseline),
+        MODELS_DOC: models_doc(),
         README: readme_with_headline(README.read_text(), headline(data, memory)),
     }
 

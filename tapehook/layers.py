@@ -8,7 +8,7 @@ elementwise and reduction ops per layer of Keras 3's TensorFlow backend.
 tf-keras, and so larq, trained on the fused op; Keras 3 does not. In a binary
 network a batch norm follows every binary conv, and Keras 3's is the largest
 float cost of a training step around the binary kernels
-(docs/models_perf.md). Opt-in: Keras's own layer is never changed.
+(docs/models.md). Opt-in: Keras's own layer is never changed.
 
 ``MaxPooling2D`` is Keras 3's layer whose training calls keep the position
 of each window's maximum for the backward instead of the pool's float input
@@ -203,7 +203,7 @@ class BatchNormalization(keras.layers.BatchNormalization):
     network while the output it saves halves per stage, so recomputing only
     the first stages' batch norms keeps most of the saving for part of the
     time (Bi-Real-Net-18: those of fewer than 256 channels;
-    docs/models_perf.md measures both).
+    docs/models.md measures both).
 
     Results equal Keras's to float rounding: outputs and gradients (through
     the batch statistics), and the moving statistics updated as Keras does,

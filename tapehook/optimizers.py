@@ -74,7 +74,8 @@ class Bop(keras.optimizers.Optimizer):
         gamma: the adaptivity rate in (0, 1], Bop's analogue of a learning rate,
             or a schedule. It is this optimizer's ``learning_rate``, so Keras
             learning-rate callbacks and schedules act on gamma.
-        name, **kwargs: the usual Keras optimizer arguments (clipnorm, clipvalue,
+        name: the optimizer's name.
+        **kwargs: the usual Keras optimizer arguments (clipnorm, clipvalue,
             global_clipnorm, gradient_accumulation_steps, loss_scale_factor).
             ``weight_decay`` and ``use_ema`` are refused: either would make the
             weights non-binary.
