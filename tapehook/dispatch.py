@@ -11,11 +11,19 @@ implementation name that travels to the kernel as the op's ``plan`` attr
 
 ``TAPEHOOK_DISPATCH`` picks the policy, read at each decision (trace time in
 graphs): ``auto`` (default), ``kernels`` (always tapehook's kernels, on the
-best implementation the CPU can run; what the test suite checks against the
-reference) or ``stock``.
+best implementation the CPU can run, and on a GPU its CUDA kernels; what the
+test suite checks against the reference) or ``stock``.
 
-``auto`` follows bench/results/latest.json, measured in one run against stock
-TF with oneDNN on and off (docs/performance.md):
+Where TensorFlow sees a GPU (``kernels.gpu_visible``: it then places a binary
+conv's ops there), ``auto`` runs every binary conv stock: cuDNN convolutions
+on the binarized operands, the reference's math in TF ops. The CUDA kernels
+run only under ``kernels``, the explicit opt-in: they have been checked on a
+GPU only through the framework-free harness (their TF wrapper has never run
+inside TensorFlow), and a fully binary step on them is slower than cuDNN at
+every measured shape (bench/CUDA.md).
+
+On the CPU, ``auto`` follows bench/results/latest.json, measured in one run
+against stock TF with oneDNN on and off (docs/performance.md):
 
 - forward with binary activations: tapehook's bitpacked xor/popcount kernel,
   faster than stock on every measured shape;
@@ -61,6 +69,9 @@ from tapehook.errors import TapehookError
 
 KERNELS, STOCK = "kernels", "stock"
 POLICIES = ("auto", KERNELS, STOCK)
+# Where a binary conv's ops run: TF places them on a GPU whenever it sees one.
+CPU, GPU = "cpu", "gpu"
+DEVICES = (CPU, GPU)
 # Implementations of the kernels, best first (the ops' plan attr values).
 PREFERENCE = ("amx", "avx512", "avx2", "portable")
 
@@ -151,6 +162,7 @@ def choose(
     packed=False,
     onednn=False,
     spec_supported=True,
+    device=CPU,
 ) -> str:
     """The implementation of one part of a binary conv: ``STOCK`` or a plan
     (a name in ``capabilities``). A pure function, the whole dispatch rule.
@@ -162,13 +174,20 @@ def choose(
     allowed; binary_input: x enters as sign(x); packed: the backward kept x
     as packed bits (which stock ops need unpacked first); onednn: TF runs
     oneDNN convolutions; spec_supported: the kernels compute this spec's math
-    (``kernels_take``), whatever the policy.
+    (``kernels_take``), whatever the policy; device: a ``DEVICES`` value,
+    where TF will place the conv's ops.
     """
+    if device not in DEVICES:
+        raise TapehookError(f"dispatch device {device!r}; use one of {DEVICES}")
     if policy == STOCK or not capabilities or not spec_supported:
         return STOCK
     best = _best(capabilities)
     if policy == KERNELS:
-        return best
+        return best  # on a GPU too: the opt-in to the CUDA kernels
+    if device == GPU:
+        # The CUDA kernels are untested inside TF and slower than cuDNN per
+        # step (bench/CUDA.md): stock unless opted in.
+        return STOCK
     if op == "forward":
         if binary_input or _amx_pays(capabilities, attrs, x_shape, w_shape, 1):
             return best
@@ -226,7 +245,8 @@ def kernels_take(spec) -> bool:
 
 
 def _choose_here(op, attrs, dtype, x_shape, w_shape, binary_input, packed, spec):
-    """``choose`` with this process's policy, capabilities and TF build."""
+    """``choose`` with this process's policy, capabilities, TF build and
+    devices."""
     import tapehook.compat as compat  # both import TF: not at module import
     import tapehook.kernels as kernels
 
@@ -248,7 +268,23 @@ def _choose_here(op, attrs, dtype, x_shape, w_shape, binary_input, packed, spec)
         packed=packed,
         onednn=compat.onednn_enabled(),
         spec_supported=supported,
+        device=GPU if kernels.gpu_visible() else CPU,
     )
+
+
+def gpu_route() -> str:
+    """``KERNELS`` or ``STOCK``: what binary convs the kernels compute run on
+    where a GPU is visible, under this process's policy (``choose``'s answer
+    there, which depends on nothing else; kernel_info reports it)."""
+    plan = choose(
+        "forward",
+        policy=policy(),
+        capabilities=frozenset(PREFERENCE),
+        attrs=None,
+        binary_input=True,
+        device=GPU,
+    )
+    return KERNELS if runs_kernels(plan) else STOCK
 
 
 def runs_kernels(path) -> bool:

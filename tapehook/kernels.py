@@ -26,7 +26,7 @@ import warnings
 
 import tensorflow as tf
 
-from tapehook import cuda_build
+from tapehook import cuda_build, dispatch
 from tapehook.errors import TapehookError
 
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
@@ -306,12 +306,19 @@ def library():
         return _state["library"]
 
 
+def gpu_visible() -> bool:
+    """Whether TensorFlow sees a GPU, and so places a model's ops there: the
+    one check behind the dispatcher's GPU route and every guard of a CPU-only
+    kernel."""
+    return bool(tf.config.list_logical_devices("GPU"))
+
+
 def cpu_library():
     """The loaded library where its CPU-only ops (batch-norm gradient, max
     pools, fixed-point e'(x), Adam-and-clip) may run: loaded and no GPU
     visible (TF places the surrounding ops on the GPU); else None."""
     loaded = library()
-    if loaded is None or tf.config.list_logical_devices("GPU"):
+    if loaded is None or gpu_visible():
         return None
     return loaded
 
@@ -428,17 +435,37 @@ def kernel_info() -> dict:
     if _forced_reference[0]:
         cpu["forced_reference"] = True
     if cpu.get("cuda"):
-        gpu = {
-            "loaded": True,
-            "path": cpu["path"],
-            "devices": [d.name for d in tf.config.list_physical_devices("GPU")],
-        }
+        gpu = {"loaded": True, "path": cpu["path"]}
     else:
         gpu = {
             "loaded": False,
             "reason": cpu.get("no_cuda_reason") or cpu.get("reason") or cuda_plan()[1],
         }
+    gpu["devices"] = [d.name for d in tf.config.list_physical_devices("GPU")]
+    gpu["binary_convs"], gpu["why"] = _gpu_route(cpu)
     return {"cpu": cpu, "gpu": gpu, "tensorflow": tf.__version__}
+
+
+def _gpu_route(cpu):
+    """(dispatch.KERNELS or STOCK, why): what binary convs run on where a GPU
+    is visible."""
+    if not cpu.get("loaded") or cpu.get("forced_reference"):
+        return dispatch.STOCK, "the kernels are not loaded: TF ops on the binarized operands"
+    setting = f"TAPEHOOK_DISPATCH={dispatch.policy()}"
+    if dispatch.gpu_route() == dispatch.STOCK:
+        if dispatch.policy() == dispatch.STOCK:
+            return dispatch.STOCK, setting
+        return dispatch.STOCK, (
+            f"{setting}: cuDNN convolutions on the binarized operands; tapehook's CUDA "
+            "kernels have not run inside TensorFlow and a fully binary step on them is "
+            "slower than cuDNN (bench/CUDA.md). TAPEHOOK_DISPATCH=kernels opts in"
+        )
+    if cpu.get("cuda"):
+        return dispatch.KERNELS, f"{setting}: tapehook's CUDA kernels (untested inside TensorFlow)"
+    return dispatch.KERNELS, (
+        f"{setting}, but this library has no CUDA kernels: the CPU kernels, their "
+        "operands copied from and back to the GPU"
+    )
 
 
 def compiled_counts() -> dict:

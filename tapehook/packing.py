@@ -106,7 +106,7 @@ def packable(x, spec) -> bool:
         return False
     if chosen == "float16":
         return True
-    return chosen == "1" and not tf.config.list_logical_devices("GPU")
+    return chosen == "1" and not kernels.gpu_visible()
 
 
 def pack_input(x, spec) -> PackedInput:
