@@ -216,6 +216,32 @@ def headline(data, memory):
         + "; "
         + parts[-1]
         + ". Tables and how they are measured: [docs/performance.md](docs/performance.md)."
+        + models_headline()
+    )
+
+
+def models_headline():
+    """The whole-model sentence: tapehook's exact configurations (not the bf16x2 opt-in)
+    at batch 32 in MODEL_RUNS, against larq 0.14 (training) and larq-style (predict)."""
+    rows = [
+        r
+        for name, _, _ in MODEL_RUNS
+        for r in load(RESULTS / name)["rows"]
+        if r["batch"] == 32 and r["impl"].startswith("tapehook") and "bf16x2" not in r["impl"]
+    ]
+    if not rows:
+        return ""
+    train = [r["train_x_larq_median"] for r in rows if "train_x_larq_median" in r]
+    predict = [r["predict_x_larq-style_median"] for r in rows if "predict_x_larq-style_median" in r]
+    sizes = " and ".join(f"{s} px" for s in sorted({r["size"] for r in rows}))
+    first = load(RESULTS / MODEL_RUNS[0][0])
+    machine = _cpu_words({**first, "cpu_model": first["machine"]})
+    return (
+        f" **Whole models** on a {machine} (Bi-Real-Net-18, QuickNet-small; Keras `fit` / "
+        f"`predict`, batch 32, "
+        f"{sizes}, with tapehook's fused layers): training {_span(train)} as fast as larq 0.14, "
+        f"predict {_span(predict)} as fast as a larq-style composite on Keras 3: "
+        "[docs/models.md](docs/models.md)."
     )
 
 
@@ -249,20 +275,8 @@ bench/table.py`; `bench/run.py` also charts them in `bench/results/latest.png`.
 """
 
 DOC_WHY = """\
-### Where the speed comes from
-
-- **Fully binary forward**: bitpacked xor + popcount (AVX-512 VPOPCNTDQ, AVX2
-  and portable tiers chosen at run time). "Per conv of a graph" runs many convs
-  in one `tf.while_loop`, as a model's forward does; the plain row pays a
-  Python-to-TF call per conv, which weighs most on small convs.
-- **Inference keeps the packed filter** while the variable's buffer is
-  unchanged ([Design](design.md)).
-- **Float-operand convolutions** (weight-only forward, both backprops) on Intel
-  AMX as exact bf16x3 GEMMs: fp32 results at bf16 tile speed.
-- **Backprops with a ±1 operand** on AVX-512 and AVX2: sign tables, one permute
-  picks one of the 16 signed sums of 4 floats per lane.
-- **The dispatcher** (`tapehook/dispatch.py`) sends what tapehook does not win
-  to stock ops; `TAPEHOOK_DISPATCH=kernels` / `stock` force either side.
+Where the speed comes from (bitpacked popcount forwards, exact bf16x3 AMX GEMMs,
+sign-table backprops, the dispatcher's rules): [Design](design.md), section 4.
 """
 
 DOC_MEMORY = """\
@@ -395,44 +409,38 @@ def batch_norm_table(data):
 
 def backprops_table(data):
     """Per shape: stock ms and each plan's speedup (median of the file's runs) per backprop."""
-    plans = data.get("plans") or sorted({r["plan"] for r in data["rows"]})
     kinds = [("dX", "dX"), ("dW", "dW"), ("dW packed", "dW from packed bits")]
     head = ["shape", "dX stock ms", "dW stock ms"]
-    head += [f"{label}, {plan}" for plan in plans for _, label in kinds]
+    head += [f"{label}, {plan}" for plan in data["plans"] for _, label in kinds]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in data["rows"]:
         cells = [r["shape"], _ms(r["ms"]["dX stock"]), _ms(r["ms"]["dW stock"])]
-        for plan in plans:
+        for plan in data["plans"]:
             for kind, _ in kinds:
-                key = f"{kind} {plan} x" if "plans" in data else f"{kind} x"
-                if "plans" not in data and r.get("plan") != plan:
-                    cells.append("-")
-                    continue
-                values = r.get(key)
+                values = r.get(f"{kind} {plan} x")
                 cells.append(_x(sorted(values)[len(values) // 2]) if values else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
 def backward_route_table(data):
-    """Median speedup of the auto route's whole backward over stock, per shape and batch."""
+    """Median speedup of the auto route's whole backward over stock, per shape, at the
+    smallest and largest batch."""
     batches = sorted({r["batch"] for r in data["rows"]})
+    batches = [batches[0], batches[-1]]
     estimators = list(dict.fromkeys(r["estimator"] for r in data["rows"]))
+    columns = [(e, b) for e in estimators for b in batches]
     lines = [
-        "| shape | input estimator | " + " | ".join(f"batch {b}" for b in batches) + " |",
-        "|---|---|" + "---|" * len(batches),
+        "| shape | " + " | ".join(f"{e}, batch {b}" for e, b in columns) + " |",
+        "|---|" + "---|" * len(columns),
     ]
+    by = {(r["shape"], r["estimator"], r["batch"]): r["x"] for r in data["rows"]}
     for shape in dict.fromkeys(r["shape"] for r in data["rows"]):
-        for est in estimators:
-            by = {
-                r["batch"]: r for r in data["rows"] if r["shape"] == shape and r["estimator"] == est
-            }
-            if not by:
-                continue
-            cells = [
-                _x(sorted(by[b]["x"])[len(by[b]["x"]) // 2]) if b in by else "-" for b in batches
-            ]
-            lines.append(f"| {shape} | {est} | " + " | ".join(cells) + " |")
+        cells = [
+            _x(sorted(by[key])[len(by[key]) // 2]) if key in by else "-"
+            for key in ((shape, e, b) for e, b in columns)
+        ]
+        lines.append(f"| {shape} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -525,17 +533,12 @@ OTHER_BENCHMARKS = [
         adam_clip_table,
     ),
     (
-        "backprops.json",
-        "Binary backprops on AVX-512 (sign tables) against oneDNN",
-        "Both backprops at Bi-Real-Net-18 / QuickNet-small shapes, batch 32, on ready ±1 "
-        "operands; x = stock time / tapehook time.",
-        "python bench/backprops.py",
-        backprops_table,
-    ),
-    (
         "backprops_amx.json",
         "Binary backprops on AMX and AVX-512 against oneDNN",
-        "The same at 112 and 224 px on the AMX machine, both kernel plans; the "
+        "Both backprops at Bi-Real-Net-18 / QuickNet-small shapes (112 and 224 px), batch "
+        "32, on ready ±1 operands, both kernel plans of the AMX machine; x = stock time / "
+        "tapehook time. The avx512 plan alone, from an earlier run: "
+        "`bench/results/backprops.json` (`python bench/backprops.py`). The "
         "dispatcher's AMX rules (`tapehook/dispatch.py`) rest on this table and, for 7x7 "
         "and 4x4 images, on two alternating runs of `--only 7x7` "
         "(`bench/results/backprops_amx_7x7_1.json`, `backprops_amx_7x7_2.json`).",
@@ -554,7 +557,7 @@ OTHER_BENCHMARKS = [
     (
         "backward_route.json",
         "A binary conv's whole backward: the auto route against stock",
-        "Median x = stock route time / auto route time, batch 1 to 32.",
+        "Median x = stock route time / auto route time (the file also has batches in between).",
         "python bench/backward_route.py",
         backward_route_table,
     ),
@@ -660,22 +663,14 @@ architectures on synthetic data, Bi-Real-Net-18 and QuickNet-small, in several
 implementations with the same layers and parameter counts
 (`tests/test_bench_models.py` checks that they compute the same model):
 
-- **float-fused**: the float network with `tapehook.layers.BatchNormalization`
-  and `tapehook.optimizers.Adam` (TF's fused kernels, as tf-keras uses them):
-  the fair float baseline;
-- **larq-style**: larq's math on Keras 3: stock `tf.nn.conv2d` on sign(x) and
-  α · sign(W), each sign a `tf.custom_gradient` with larq's pseudo-gradient,
-  Keras 3's batch norm and Adam;
-- **larq**: larq 0.14 `QuantConv2D` on tf-keras (`TF_USE_LEGACY_KERAS=1`), in a
-  side environment (`--larq-python`); tf-keras trains batch norm and Adam on
-  TF's fused kernels;
-- **tapehook-fused**: the float model binarized with `tapehook.binarize`, with
-  tapehook's batch norm and Adam;
-- **tapehook-recompute**: the same with `BatchNormalization(recompute=True)`
-  and `tapehook.layers.MaxPooling2D` (memory);
-- **tapehook-recompute-early**: recompute only in the first stages, where the
-  kept outputs are largest;
-- **-bf16x2**: with the opt-in `TAPEHOOK_BACKPROP_DY=bf16x2`.
+float-fused: the float network with tapehook's fused batch norm and Adam (the
+fair float baseline); larq-style: larq's math on Keras 3 (stock convs on
+`tf.custom_gradient` signs, Keras 3's batch norm and Adam); larq: larq 0.14 on
+tf-keras, in a side environment (`--larq-python`); tapehook-fused: the float
+model binarized, with tapehook's batch norm and Adam; tapehook-recompute: with
+`BatchNormalization(recompute=True)` and `tapehook.layers.MaxPooling2D`;
+-recompute-early: recompute in the first stages only; -bf16x2: with
+`TAPEHOOK_BACKPROP_DY=bf16x2`.
 
 Bi-Real-Net-18: float 7x7 stem, 16 binary 3x3 convs (3 of them stride 2) with
 float shortcuts, float head; kernels `scale="mean_abs"`, `WeightClip(1)`; inputs
@@ -730,17 +725,6 @@ def models_speed_table(data):
             f"| {_x(r.get('train_x_float-fused_median'))} "
             f"| {r['predict_img_s_median']:.1f} | {_x(r.get('predict_x_larq-style_median'))} |"
         )
-    base = [r for r in rows if r["impl"] in ("larq", "larq-style", "float-fused")]
-    lines += ["", "The baselines' own rates:", ""]
-    lines += [
-        "| model | batch | impl | input estimator | train img/s | predict img/s |",
-        "|---|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {r['model']} | {r['batch']} | {r['impl']} | {r['estimator'] or '-'} "
-        f"| {r['train_img_s_median']:.1f} | {r['predict_img_s_median']:.1f} |"
-        for r in base
-    ]
     return lines
 
 

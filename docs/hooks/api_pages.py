@@ -19,13 +19,25 @@ EXTRA_MODULES = ("larq", "zoo", "distill")
 
 
 def _all_of(path):
-    """The names in a module's literal __all__, or None without one."""
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
-        ):
-            return [ast.literal_eval(e) for e in node.value.elts]
-    return None
+    """The names in a module's __all__, or None without one. Besides literal strings,
+    an element may unpack a literal tuple or list the module assigns to a name
+    (`__all__ = [*MODELS, "f"]`)."""
+    body = ast.parse(path.read_text()).body
+    literals = {}
+    for node in body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target = node.targets[0]
+            if isinstance(target, ast.Name) and isinstance(node.value, (ast.List, ast.Tuple)):
+                literals[target.id] = node.value
+    if "__all__" not in literals:
+        return None
+    names = []
+    for element in literals["__all__"].elts:
+        if isinstance(element, ast.Starred) and isinstance(element.value, ast.Name):
+            names += [ast.literal_eval(e) for e in literals[element.value.id].elts]
+        else:
+            names.append(ast.literal_eval(element))
+    return names
 
 
 def _module_path(name):
@@ -65,6 +77,10 @@ def _page(name):
         lines += [f"::: {module}", "    options:", "      members: false", ""]
         for sub in submodules:
             lines += [f"::: {module}.{sub}", "    options:", "      heading_level: 2", ""]
+    elif members:
+        # The members named explicitly: griffe reads a literal __all__ by itself,
+        # not one built by unpacking.
+        lines += [f"::: {module}", "    options:", f"      members: {members}", ""]
     else:
         lines += [f"::: {module}", ""]
     return "\n".join(lines)
