@@ -253,7 +253,8 @@ DOC_INTRO = """\
 
 Every number on this page comes from `bench/results/` through `bench/table.py`.
 To refresh it: `python bench/run.py` (options in
-`bench/README.md`), `python bench/memory.py`, then
+`bench/README.md`; writes `bench/results/latest.json`), `python bench/memory.py`
+(`bench/results/memory.json`), then
 `python bench/table.py --write`, which also rewrites the headline in the README.
 Each table below names the JSON it comes from and the command that rewrites it.
 
@@ -276,7 +277,9 @@ bench/table.py`; `bench/run.py` also charts them in `bench/results/latest.png`.
 
 DOC_WHY = """\
 Where the speed comes from (bitpacked popcount forwards, exact bf16x3 AMX GEMMs,
-sign-table backprops, the dispatcher's rules): [Design](design.md), section 4.
+sign-table backprops, the dispatcher's rules): [Design](design.md), section 4. The
+sign tables' prototype and its measurements: `bench/lut_backprop/REPORT.md`
+(`bench/results/lut_backprop_prototype.json`).
 """
 
 DOC_MEMORY = """\
