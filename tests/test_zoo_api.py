@@ -60,13 +60,13 @@ def test_training_crop_is_normalized_and_sized():
     # exactly its normalized colour.
     color = np.array([10, 128, 250], np.uint8)
     flat = tf.constant(np.broadcast_to(color, (120, 90, 3)))
-    out = zoo.preprocessing.random_crop_and_flip(flat, size=64, seed=3).numpy()
+    out = zoo.preprocessing.training_input(flat, size=64, seed=3).numpy()
     expected = (color - np.array(zoo.preprocessing.MEAN_RGB)) / zoo.preprocessing.STDDEV_RGB
     assert out.shape == (64, 64, 3)
     np.testing.assert_allclose(out, np.broadcast_to(expected, out.shape), rtol=1e-5, atol=1e-5)
     # A textured image gives different crops, not always the centre one.
     image = tf.constant(_reference_images()["tall"])
-    crops = [zoo.preprocessing.random_crop_and_flip(image, size=64).numpy() for _ in range(4)]
+    crops = [zoo.preprocessing.training_input(image, size=64).numpy() for _ in range(4)]
     assert any(not np.allclose(crops[0], c) for c in crops[1:])
 
 
@@ -235,7 +235,7 @@ def _release_table():
     return json.loads(path.read_text()).get("weights", {})
 
 
-@pytest.mark.parametrize("name", zoo.__all__ if hasattr(zoo, "MODELS") else [])
+@pytest.mark.parametrize("name", zoo.MODELS)
 def test_every_model_asks_larq_zoos_release_url(name, server):
     """weights='imagenet' asks for larq-zoo's own file (release name, version,
     file name from larq-zoo's code, via the fixture), top and headless; here

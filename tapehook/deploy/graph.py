@@ -82,21 +82,32 @@ class BinaryLayer:
         return 4 * self.signs.size
 
 
+def _call_owner(layer):
+    """The class whose call() ``layer`` runs. A tapehook.larq layer whose
+    quantizers became its kernel's mark runs its Keras base class's call (the
+    mark's spec binarizes inside the op), so deploy rewrites it as that."""
+    from tapehook.larq.layers import _QuantMixin
+
+    cls = type(layer)
+    if isinstance(layer, _QuantMixin) and layer.binary_spec is not None:
+        return next(c for c in cls.__mro__ if c.__module__.startswith("keras."))
+    return cls
+
+
 def _layer_kind(layer):
     """The kind of a binarizable layer whose call the deploy graph can replace."""
     keras = _keras()
     from keras.src.layers.convolutional.base_conv import BaseConv
 
+    owner = _call_owner(layer)
     if isinstance(layer, keras.layers.DepthwiseConv2D):
-        return "depthwise" if type(layer).call is keras.layers.DepthwiseConv2D.call else None
+        return "depthwise" if owner.call is keras.layers.DepthwiseConv2D.call else None
     if isinstance(layer, (keras.layers.Conv1D, keras.layers.Conv2D)):
-        if type(layer).call is not BaseConv.call or (
-            type(layer).convolution_op is not BaseConv.convolution_op
-        ):
+        if owner.call is not BaseConv.call or owner.convolution_op is not BaseConv.convolution_op:
             return None
         return "conv2d" if isinstance(layer, keras.layers.Conv2D) else "conv1d"
     if isinstance(layer, keras.layers.Dense):
-        return "dense" if type(layer).call is keras.layers.Dense.call else None
+        return "dense" if owner.call is keras.layers.Dense.call else None
     return None
 
 

@@ -10,6 +10,36 @@ file (Keras 2 HDF5, as larq-zoo releases them and tf-keras's
 downloaded once into Keras's cache and checked against its SHA-256.
 """
 
+from tapehook.zoo.classic import BinaryAlexNet, DoReFaNet, XNORNet
+from tapehook.zoo.densenets import (
+    BinaryDenseNet28,
+    BinaryDenseNet37,
+    BinaryDenseNet37Dilated,
+    BinaryDenseNet45,
+    MeliusNet22,
+)
 from tapehook.zoo.preprocessing import decode_predictions, preprocess_input
+from tapehook.zoo.quicknet import QuickNet, QuickNetLarge, QuickNetSmall
+from tapehook.zoo.resnets import BinaryResNetE18, BiRealNet, RealToBinaryNet
 
-__all__ = ["decode_predictions", "preprocess_input"]
+__all__ = [
+    "QuickNetSmall",
+    "QuickNet",
+    "QuickNetLarge",
+    "BiRealNet",
+    "RealToBinaryNet",
+    "BinaryResNetE18",
+    "BinaryDenseNet28",
+    "BinaryDenseNet37",
+    "BinaryDenseNet37Dilated",
+    "BinaryDenseNet45",
+    "MeliusNet22",
+    "XNORNet",
+    "DoReFaNet",
+    "BinaryAlexNet",
+    "decode_predictions",
+    "preprocess_input",
+]
+
+MODELS = tuple(__all__[:14])
+"""The model functions' names, in larq-zoo's order."""

@@ -43,7 +43,7 @@ def center_crop(image, size=IMAGE_SIZE):
     return tf.reshape(_resize(crop, size), [size, size, 3])
 
 
-def random_crop_and_flip(image, size=IMAGE_SIZE, seed=None):
+def training_input(image, size=IMAGE_SIZE, seed=None):
     """A training crop of an HxWx3 image: random area 8-100 %, aspect ratio
     3/4-4/3 (the whole-image center crop when no box fits in 10 tries),
     resized to size x size, flipped left-right half the time; normalized."""
@@ -68,6 +68,11 @@ def random_crop_and_flip(image, size=IMAGE_SIZE, seed=None):
     return _normalize(tf.image.random_flip_left_right(out, seed=seed))
 
 
+def evaluation_input(image, size=IMAGE_SIZE):
+    """The normalized central crop of an HxWx3 image at size x size."""
+    return _normalize(center_crop(image, size))
+
+
 def preprocess_input(image):
     """larq-zoo's ``preprocess_input``: one HxWx3 image (0-255 RGB, any size)
     to the 224x224x3 float32 input of every zoo model. Returns a NumPy array
@@ -77,7 +82,7 @@ def preprocess_input(image):
             f"preprocess_input takes one image of shape (height, width, 3), got shape "
             f"{tuple(image.shape)}; map it over a batch (tf.map_fn or a tf.data map)"
         )
-    result = _normalize(center_crop(tf.convert_to_tensor(image), IMAGE_SIZE))
+    result = evaluation_input(tf.convert_to_tensor(image), IMAGE_SIZE)
     return result.numpy() if isinstance(image, np.ndarray) else result
 
 

@@ -1,0 +1,228 @@
+"""Train a tapehook.zoo model on your own images, then deploy it.
+
+    python examples/train_zoo.py --model QuickNetSmall --data DIR
+
+DIR holds one sub-folder of images per class (the layout of
+``keras.utils.image_dataset_from_directory``); 20 % of each class is held out
+for validation. The model is larq-zoo's architecture with a head for your
+classes, trained with larq-zoo's recipe for it (its optimizer and learning-
+rate schedule, the schedule's epoch boundaries scaled to ``--epochs``; batch
+norm and weight clipping are part of the model) on larq-zoo's ImageNet
+preprocessing (random crops and flips for training, the central crop for
+validation). ``--weights imagenet`` (or a larq-zoo weights file) starts from
+pretrained features: the headless model gets your head.
+
+Keras prints progress; each epoch writes ``OUT/last.keras`` and
+``OUT/best.keras`` (by validation accuracy), and ``OUT/backup`` lets an
+interrupted run continue where it stopped (run the same command again). At
+the end the model is exported for LiteRT and for Larq Compute Engine, and
+each file is run on the validation set by its own interpreter to report its
+accuracy (the LCE export builds LCE's side environment once; docs/deploy.md).
+"""
+
+import argparse
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tapehook  # noqa: E402
+import tapehook.deploy  # noqa: E402
+from tapehook import zoo  # noqa: E402
+from tapehook.zoo import preprocessing  # noqa: E402
+
+# larq-zoo's recipes (larq_zoo/training/): (optimizer, peak learning rate,
+# schedule over larq-zoo's epochs). Schedules: ("cosine_warmup", warm-up
+# epochs), ("linear",), ("steps", factor, boundaries) or ("halving", every).
+_QUICKNET = dict(optimizer="quicknet", lr=1e-2, schedule=("cosine_warmup", 5), epochs=600)
+_DENSENET = dict(optimizer="adam", lr=4e-3, schedule=("steps", 0.1, (100, 110)), epochs=120)
+RECIPES = {
+    "QuickNetSmall": _QUICKNET,
+    "QuickNet": _QUICKNET,
+    "QuickNetLarge": _QUICKNET,
+    "BiRealNet": dict(optimizer="adam", lr=5e-3, schedule=("linear",), epochs=300),
+    "RealToBinaryNet": dict(
+        optimizer="adam", lr=1e-3, schedule=("steps", 0.1, (40, 60, 70)), epochs=75
+    ),
+    "BinaryResNetE18": dict(
+        optimizer="adam", lr=4e-3, schedule=("steps", 0.3, (70, 90, 110)), epochs=120
+    ),
+    "BinaryDenseNet28": _DENSENET,
+    "BinaryDenseNet37": _DENSENET,
+    "BinaryDenseNet37Dilated": dict(_DENSENET, schedule=("steps", 0.1, (60, 70)), epochs=80),
+    "BinaryDenseNet45": dict(_DENSENET, lr=8e-3, schedule=("steps", 0.1, (80, 100)), epochs=125),
+    "MeliusNet22": dict(optimizer="adam", lr=2e-3, schedule=("cosine_warmup", 5), epochs=120),
+    "XNORNet": dict(
+        optimizer="adam", lr=1e-3, schedule=("steps", 0.5, (10, 20, 30, 40, 50, 60)), epochs=100
+    ),
+    "DoReFaNet": dict(optimizer="adam", lr=2e-4, schedule=("steps", 0.2, (60, 75, 82)), epochs=90),
+    "BinaryAlexNet": dict(optimizer="adam", lr=1e-2, schedule=("halving", 10), epochs=150),
+}
+
+
+def load_data(directory, size, batch_size, seed=0):
+    """(train, validation, class names): larq-zoo's preprocessing at ``size``
+    px, images first resized to ``size * 8 / 7`` (224 -> 256) as ImageNet's
+    evaluation crop assumes."""
+    load = round(size * 8 / 7)
+    train, val = keras.utils.image_dataset_from_directory(
+        directory,
+        image_size=(load, load),
+        batch_size=None,
+        validation_split=0.2,
+        subset="both",
+        seed=seed,
+    )
+    names = train.class_names
+    train = train.shuffle(1024, seed=seed).map(
+        lambda x, y: (preprocessing.training_input(x, size), y),
+        num_parallel_calls=tf.data.AUTOTUNE,
+    )
+    val = val.map(
+        lambda x, y: (preprocessing.evaluation_input(x, size), y),
+        num_parallel_calls=tf.data.AUTOTUNE,
+    )
+    batch = lambda d: d.batch(batch_size).prefetch(tf.data.AUTOTUNE)  # noqa: E731
+    return batch(train), batch(val), names
+
+
+def schedule(recipe, epochs, steps_per_epoch):
+    """The recipe's learning rate per step, its epochs scaled to ``epochs``."""
+    scale = epochs / recipe["epochs"]
+    total = max(epochs * steps_per_epoch, 1)
+    kind, *args = recipe["schedule"]
+    lr = recipe["lr"]
+    if kind == "cosine_warmup":
+        warmup = min(max(round(args[0] * scale * steps_per_epoch), 1), total - 1)
+        return keras.optimizers.schedules.CosineDecay(
+            0.0, max(total - warmup, 1), warmup_target=lr, warmup_steps=warmup
+        )
+    if kind == "linear":
+        return keras.optimizers.schedules.PolynomialDecay(lr, total, end_learning_rate=0.0)
+    if kind == "halving":
+        every = max(round(args[0] * scale * steps_per_epoch), 1)
+        return keras.optimizers.schedules.ExponentialDecay(lr, every, 0.5, staircase=True)
+    factor, boundaries = args
+    steps = sorted({max(round(b * scale * steps_per_epoch), 1) for b in boundaries})
+    return keras.optimizers.schedules.PiecewiseConstantDecay(
+        steps, [lr * factor**i for i in range(len(steps) + 1)]
+    )
+
+
+def optimizer(recipe, epochs, steps_per_epoch):
+    lr = schedule(recipe, epochs, steps_per_epoch)
+    if recipe["optimizer"] == "quicknet":
+        # QuickNet: Adam for the binary kernels, SGD with momentum (10x the
+        # rate, same schedule shape) for everything else.
+        sgd_recipe = dict(recipe, lr=recipe["lr"] * 10)
+        return tapehook.optimizers.CaseOptimizer(
+            (tapehook.optimizers.is_binary_variable, keras.optimizers.Adam(lr)),
+            default_optimizer=keras.optimizers.SGD(
+                schedule(sgd_recipe, epochs, steps_per_epoch), momentum=0.9
+            ),
+        )
+    return keras.optimizers.Adam(lr, epsilon=1e-8)
+
+
+def build(name, size, num_classes, weights):
+    """The zoo model with a ``num_classes`` head; with ``weights`` the
+    pretrained headless model plus a new pooled dense head."""
+    model_fn = getattr(zoo, name)
+    if weights is None:
+        return model_fn(input_shape=(size, size, 3), num_classes=num_classes)
+    base = model_fn(input_shape=(size, size, 3), weights=weights, include_top=False)
+    x = keras.layers.GlobalAveragePooling2D()(base.output)
+    outputs = keras.layers.Dense(num_classes, activation="softmax")(x)
+    return keras.Model(base.input, outputs, name=f"{name}_head")
+
+
+def evaluate_files(model, val, directory, targets):
+    """Exports ``model`` per target and returns each file's validation
+    accuracy, measured by that target's interpreter."""
+    images, labels = zip(*[(x.numpy(), y.numpy()) for x, y in val.unbatch()])
+    images, labels = np.stack(images), np.array(labels)
+    keras_accuracy = float(np.mean(np.argmax(model.predict(images, verbose=0), -1) == labels))
+    print(f"keras  validation accuracy {keras_accuracy:.4f}")
+    accuracies = {}
+    for target in targets:
+        path = os.path.join(directory, f"{model.name}_{target}.tflite")
+        report = tapehook.deploy.export_tflite(model, path, target=target)
+        outputs = tapehook.deploy.run_tflite(path, images, target=target)
+        accuracies[target] = float(np.mean(np.argmax(outputs, -1) == labels))
+        bconv = report["ops"].get("LceBconv2d")
+        print(
+            f"{target:6s} {path}: {report['bytes'] / 2**20:.2f} MiB"
+            + (f", {bconv} LceBconv2d" if bconv is not None else "")
+            + f", validation accuracy {accuracies[target]:.4f} (run from the file)"
+        )
+    return keras_accuracy, accuracies
+
+
+def callbacks(out):
+    """Resume after an interruption, the last and the best model."""
+    return [
+        keras.callbacks.BackupAndRestore(os.path.join(out, "backup")),
+        keras.callbacks.ModelCheckpoint(os.path.join(out, "last.keras")),
+        keras.callbacks.ModelCheckpoint(
+            os.path.join(out, "best.keras"), monitor="val_accuracy", save_best_only=True
+        ),
+    ]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default="QuickNetSmall", choices=sorted(RECIPES))
+    parser.add_argument("--data", required=True, help="folder with one sub-folder per class")
+    parser.add_argument("--epochs", type=int, default=30)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument(
+        "--steps-per-epoch", type=int, default=None, help="cap on steps per epoch (smoke runs)"
+    )
+    parser.add_argument("--weights", default=None, help="'imagenet' or a larq-zoo weights file")
+    parser.add_argument("--out", default="train_zoo_out", help="checkpoints and exports")
+    parser.add_argument("--deploy", default="litert,lce", help="targets to export ('' for none)")
+    parser.add_argument("--verbose", type=int, default=2)
+    args = parser.parse_args(argv)
+
+    keras.utils.set_random_seed(0)
+    train, val, names = load_data(args.data, args.image_size, args.batch_size)
+    steps = int(train.cardinality())
+    if args.steps_per_epoch:
+        steps = min(steps, args.steps_per_epoch)
+        train = train.repeat()
+    model = build(args.model, args.image_size, len(names), args.weights)
+    model.compile(
+        optimizer=optimizer(RECIPES[args.model], args.epochs, steps),
+        loss="sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+    )
+    tapehook.summary(model, print_fn=print if args.verbose else None)
+    os.makedirs(args.out, exist_ok=True)
+    history = model.fit(
+        train,
+        validation_data=val,
+        epochs=args.epochs,
+        steps_per_epoch=steps,
+        callbacks=callbacks(args.out),
+        verbose=args.verbose,
+    )
+    targets = [t for t in args.deploy.split(",") if t]
+    keras_accuracy, files = evaluate_files(model, val, args.out, targets)
+    return dict(
+        history=history.history,
+        epochs_run=len(history.epoch),
+        classes=names,
+        keras_accuracy=keras_accuracy,
+        file_accuracy=files,
+        steps_per_epoch=steps,
+    )
+
+
+if __name__ == "__main__":
+    main()
