@@ -47,7 +47,8 @@ def estimator_grad(name, t, clip, beta=SWISH_BETA):
     if name == "approx_sign":
         return tf.where(tf.abs(t) <= 1, 2 - 2 * tf.abs(t), tf.zeros_like(t))
     if name == "swish_sign":
-        b = tf.constant(beta, wide)
+        # beta: a float, or a variable annealed during training (tapehook.recipes).
+        b = tf.cast(tf.convert_to_tensor(beta, dtype_hint=wide), wide)
         # 1 + cosh overflows to inf for large |t|, which correctly gives 0.
         return b * (2 - b * t * tf.tanh(b * t / 2)) / (1 + tf.cosh(b * t))
     raise ValueError(f"unknown estimator {name!r}")
