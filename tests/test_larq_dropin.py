@@ -792,3 +792,139 @@ def test_mixed_float16(kernel_quantizer):
         assert not np.array_equal(model.layers[0].kernel.numpy(), before)
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+
+def _ref_tern(w, threshold=0.05):
+    return np.where(w > threshold, 1.0, np.where(w < -threshold, -1.0, 0.0))
+
+
+@pytest.mark.parametrize("kernel_quantizer", ["ste_sign", "ste_tern"])
+def test_flip_ratio_metric_in_fit(kernel_quantizer):
+    """Under metrics_scope(["flip_ratio"]) fit logs the mean share of quantized
+    kernel values that changed from one step to the next, for a kernel on
+    tapehook's marks (ste_sign) and on plain ops (ste_tern)."""
+    quantize = {"ste_sign": lambda w: np.where(w >= 0, 1.0, -1.0), "ste_tern": _ref_tern}
+
+    def build():
+        keras.utils.set_random_seed(3)
+        return keras.Sequential(
+            [
+                keras.Input((16,)),
+                lq.layers.QuantDense(
+                    8, kernel_quantizer=kernel_quantizer, kernel_constraint="weight_clip"
+                ),
+            ]
+        )
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(96, 16)).astype("float32")
+    y = rng.normal(size=(96, 8)).astype("float32")
+    plain = build()
+    plain.compile(keras.optimizers.SGD(0.5), "mse")
+    assert not any("flip_ratio" in k for k in plain.fit(x, y, verbose=0).history)
+
+    with lq.context.metrics_scope(["flip_ratio"]):
+        model = build()
+    layer = model.layers[0]
+    assert (layer.binary_spec is not None) == (kernel_quantizer == "ste_sign")
+    assert [m.name for m in layer.metrics] == [f"flip_ratio/{layer.kernel_quantizer.name}"]
+    seen = []
+    record = keras.callbacks.LambdaCallback(
+        on_train_batch_begin=lambda batch, logs: seen.append(
+            quantize[kernel_quantizer](layer.kernel.numpy())
+        )
+    )
+    model.compile(keras.optimizers.SGD(0.5), "mse")
+    history = model.fit(x, y, batch_size=8, shuffle=False, callbacks=[record], verbose=0)
+    flips = [np.mean(a != b) for a, b in zip(seen, seen[1:])]
+    assert len(seen) == 12 and 0 < np.mean(flips) < 1
+    logged = history.history[layer.metrics[0].name]
+    np.testing.assert_allclose(logged, [np.mean(flips)], rtol=1e-5)
+
+
+def test_larq_names_resolve_in_keras(tmp_path):
+    """ "hard_tanh", "leaky_tanh" and "weight_clip" resolve through Keras's own
+    get / serialize / deserialize and in stock Keras layers, saved and loaded;
+    Keras's own names are untouched."""
+    assert keras.activations.get("hard_tanh") is lq.activations.hard_tanh
+    assert keras.activations.get("leaky_tanh") is lq.activations.leaky_tanh
+    assert keras.activations.get("relu") is keras.activations.relu
+    for fn in (lq.activations.hard_tanh, lq.activations.leaky_tanh):
+        assert keras.activations.deserialize(keras.activations.serialize(fn)) is fn
+    clip = keras.constraints.get("weight_clip")
+    assert type(clip) is lq.constraints.weight_clip and clip.clip_value == 1
+    back = keras.constraints.deserialize(
+        keras.constraints.serialize(lq.constraints.WeightClip(0.3))
+    )
+    assert type(back) is lq.constraints.WeightClip and back.clip_value == 0.3
+    assert type(keras.constraints.get("non_neg")) is keras.constraints.NonNeg
+
+    x = np.linspace(-3, 3, 24, dtype="float32").reshape(4, 6)
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(6, activation="leaky_tanh", kernel_constraint="weight_clip"),
+            keras.layers.Activation("hard_tanh"),
+        ]
+    )
+    model.layers[0].set_weights([2 * np.eye(6, dtype="float32"), np.zeros(6, "float32")])
+    h = 2 * x
+    leaky = np.where(h < -1, -1 + 0.2 * (h + 1), np.where(h > 1, 1 + 0.2 * (h - 1), h))
+    want = np.clip(leaky, -1, 1)
+    np.testing.assert_allclose(model.predict(x, verbose=0), want, rtol=1e-6)
+    path = str(tmp_path / "names.keras")
+    model.save(path)
+    back = keras.models.load_model(path)
+    assert back.layers[0].activation is lq.activations.leaky_tanh
+    assert isinstance(back.layers[0].kernel_constraint, lq.constraints.WeightClip)
+    np.testing.assert_allclose(back.predict(x, verbose=0), want, rtol=1e-6)
+
+
+def test_model_profile_counts():
+    """ModelProfile counts parameters by bit width, memory and MACs by precision
+    from the layers' shapes: a tapehook-marked Keras conv's kernel is 1-bit, a
+    binary input makes its MACs binary, Dense on a sequence does kernel x steps."""
+    conv = keras.layers.Conv2D(8, 3, padding="same", use_bias=False)
+    model = keras.Sequential(
+        [
+            keras.Input((10, 10, 4)),
+            conv,
+            lq.layers.QuantConv2D(
+                16,
+                3,
+                strides=2,
+                input_quantizer="ste_sign",
+                kernel_quantizer="ste_sign",
+                kernel_constraint="weight_clip",
+            ),
+            keras.layers.Reshape((16, 16)),
+            keras.layers.Dense(5),
+        ]
+    )
+    tapehook.marks.mark_binary(conv.kernel)
+    profiles = lq.models.ModelProfile(model).layer_profiles
+    # (weights per bit width, input precision, output pixels, MACs per precision)
+    want = [
+        ({1: 3 * 3 * 4 * 8}, None, 100, {32: 3 * 3 * 4 * 8 * 100}),
+        ({1: 3 * 3 * 8 * 16, 32: 16}, 1, 16, {1: 3 * 3 * 8 * 16 * 16}),
+        ({}, None, 16, {}),
+        ({32: 16 * 5 + 5}, None, 16, {32: 16 * 5 * 16}),
+    ]
+    for profile, (bits, input_precision, pixels, macs) in zip(profiles, want, strict=True):
+        assert {b: profile.weight_count(b) for b in profile.unique_param_bidtwidths} == bits
+        assert profile.memory == sum(b * n for b, n in bits.items())
+        assert profile.input_precision == input_precision
+        assert profile.output_pixels == pixels
+        assert {p: profile.op_count("mac", p) for p in profile.unique_op_precisions} == macs
+    assert profiles[2].op_count("mac") is None  # Reshape: MACs unknown
+    assert [p.runs_on for p in profiles] == ["", "tapehook kernels", "", ""]
+    lines = []
+    lq.models.summary(model, print_fn=lines.append)
+    stats, totals = (text.splitlines() for text in lines)
+    assert stats[0].startswith(f"+{model.name} stats")
+    row = next(line for line in stats if line.startswith(f"| {profiles[1].name} "))
+    assert row.split()[-5:-3] == [str(3 * 3 * 8 * 16 * 16), "0"] and "tapehook kernels" in row
+    ratio = 3 * 3 * 8 * 16 * 16 / sum(sum(m.values()) for *_, m in want)
+    assert f"| Ratio of MACs that are binarized  {ratio:.4f}" in "\n".join(totals)
+    with pytest.raises(ValueError, match="not yet been built"):
+        lq.models.summary(keras.Sequential([keras.layers.Dense(2)]))

@@ -28,6 +28,7 @@ FILES = [
     "layers_test.py",
     "math_test.py",
     "metrics_test.py",
+    "models_test.py",
     "optimizers_test.py",
     "quantizers_test.py",
     "utils_test.py",
@@ -36,41 +37,42 @@ FILES = [
 
 # Whole files that test larq internals tapehook.larq does not have.
 EXCLUDED_FILES = {
-    "models_test.py": "larq's ModelProfile / LayerProfile internals and summary snapshots "
-    "(not shipped in the wheel); lq.models.summary prints tapehook's table",
     "quantized_variable_test.py": "larq's QuantizedVariable; tapehook.larq marks the "
     "kernel variable instead",
 }
 
-# Test-id substrings deselected, with why they cannot apply on Keras 3.
+# Test-id substrings deselected, with why they cannot apply on Keras 3 (a key
+# ending in "$" is a whole test id).
 EXCLUDED = {
     "LocallyConnected": "Keras 3 has no LocallyConnected1D/2D (QuantLocallyConnected* "
     "raise TapehookError)",
     "graph": "TF1 graph mode with tf.compat.v1.Session; Keras 3 layers run eagerly or in "
     "tf.function",
-    "quantizers_test.py::test_metrics[": "quantizers adding flip_ratio with Layer.add_metric, "
-    "removed in Keras 3 (tapehook.FlipRatio callback)",
     "test_layer_as_quantizer": "the test's own layer calls add_weight('name', ...) "
     "positionally, which Keras 3 refuses",
-    "activations_test.py::test_serialization": "keras.activations.get(str) resolves only "
-    "Keras built-ins in Keras 3",
-    "constraints_test.py::test_serialization": "keras.constraints.get(str) resolves only "
-    "Keras built-ins in Keras 3 (tapehook.larq "
-    "layers resolve 'weight_clip' themselves)",
     "test_missing_default": "downloads MNIST (no network in CI)",
     "test_wrong_predicate": "downloads MNIST (no network in CI)",
     "TestCaseOptimizer::test_weights": "downloads MNIST (no network in CI)",
     "TestCaseOptimizer::test_checkpoint": "legacy optimizer API opt.minimize(loss, var_list)",
     "test_bop_serialization_schedule": "legacy optimizer internal _get_hyper",
+    "models_test.py::test_summary$": "only compares the printed tables with larq's "
+    "snapshot files, which the wheel does not ship",
+    "models_test.py::test_subclass_model_summary": "only compares the printed tables "
+    "with larq's snapshot files, which the wheel does not ship",
+    "models_test.py::test_functional_model_summary": "tf.split / tf.concat on Keras "
+    "3 symbolic tensors (tf-keras wrapped TF ops as layers), then a snapshot compare",
 }
 
 # Minimum passes per file (regression guard on top of the >= 90 % rate).
 MIN_PASSED = {
+    "activations_test.py": 4,
+    "constraints_test.py": 2,
     "layers_test.py": 80,
     "callbacks_test.py": 4,
-    "quantizers_test.py": 50,
+    "quantizers_test.py": 60,
     "optimizers_test.py": 5,
     "metrics_test.py": 4,
+    "models_test.py": 7,
 }
 
 CONFTEST = """
@@ -132,13 +134,29 @@ if not hasattr(keras.optimizers.Optimizer, "lr"):
 _backend.dtype = lambda x: keras.backend.standardize_dtype(x.dtype)
 
 import json as _json
+import pytest
 _EXCLUDED = _json.loads(EXCLUDED_JSON)
+
+
+def _excludes(key, nodeid):
+    return nodeid == key[:-1] if key.endswith("$") else key in nodeid
+
+
+# larq's snapshot files are not in the wheel: assert_match records the text, as
+# snapshottest does on a first run. Tests that check nothing else are EXCLUDED;
+# test_submodel_summary keeps its profile assertions.
+@pytest.fixture
+def snapshot():
+    class _FirstRun:
+        def assert_match(self, value, name=""):
+            assert isinstance(value, str) and value.strip(), value
+    return _FirstRun()
 
 
 def pytest_collection_modifyitems(config, items):
     keep, dropped = [], {}
     for item in items:
-        reason = next((why for key, why in _EXCLUDED.items() if key in item.nodeid), None)
+        reason = next((why for key, why in _EXCLUDED.items() if _excludes(key, item.nodeid)), None)
         if reason is None:
             keep.append(item)
         else:

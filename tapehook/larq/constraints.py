@@ -1,4 +1,8 @@
-"""larq.constraints on Keras 3: WeightClip (tapehook.constraints.WeightClip)."""
+"""larq.constraints on Keras 3: WeightClip (tapehook.constraints.WeightClip).
+
+"weight_clip" resolves through ``keras.constraints.get`` and round-trips
+through Keras serialization.
+"""
 
 import keras
 
@@ -42,3 +46,6 @@ else:
 @keras.saving.register_keras_serializable(package="larq")
 class weight_clip(WeightClip):  # noqa: N801 (larq's alias)
     pass
+
+
+utils.register_keras_name("constraints", "weight_clip", weight_clip)

@@ -287,13 +287,30 @@ class _QuantMixin:
         """The tapehook BinarySpec this layer's kernel runs with, or None (plain ops)."""
         return self._lq_spec
 
+    def _lq_build_metrics(self):
+        """Builds kernel quantizers that keep training metrics on their kernels'
+        shapes, as calling them on the kernel would, so the metrics exist once
+        the layer is built (a marked layer never calls its quantizers)."""
+        for kernel, quantizer in self._lq_quantizers().items():
+            if getattr(quantizer, "_custom_metrics", None) and not quantizer.built:
+                quantizer.build(tuple(self._lq_latent(kernel).shape))
+
+    def _lq_update_metrics(self):
+        """A marked layer binarizes its kernel inside the op; a kernel quantizer
+        with a training metric runs on the kernel only to update it."""
+        for kernel, quantizer in self._lq_quantizers().items():
+            if getattr(quantizer, "flip_ratio", None) is not None:
+                quantizer(self._lq_latent(kernel).value)
+
     def build(self, input_shape):
         super().build(input_shape)
         self._lq_tag_precision()
+        self._lq_build_metrics()
         self._lq_mark(input_shape)
 
     def call(self, inputs):
         if self._lq_spec is not None:
+            self._lq_update_metrics()
             # tapehook binarizes the input and the marked kernel inside the op.
             previous = getattr(_raw_reads, "on", False)
             _raw_reads.on = True

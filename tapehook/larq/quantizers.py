@@ -24,6 +24,7 @@ import keras
 import tensorflow as tf
 
 from tapehook.larq import context, math, utils
+from tapehook.larq import metrics as lq_metrics
 
 __all__ = [
     "ApproxSign",
@@ -119,16 +120,27 @@ class Quantizer(keras.layers.Layer):
 class _BaseQuantizer(Quantizer):
     """Quantizers with larq's training metrics.
 
-    ``metrics=["flip_ratio"]`` is accepted and kept in the config; Keras 3
-    layers cannot add metrics from ``call``, so the ratio is logged by the
-    ``tapehook.FlipRatio`` callback instead (docs/larq.md).
+    ``metrics=["flip_ratio"]`` (or a ``context.metrics_scope(["flip_ratio"])``
+    around the layer, through ``get_kernel_quantizer``) gives the quantizer a
+    ``metrics.FlipRatio`` of its output, built with the quantizer and updated
+    on every call. Keras 3 has no ``Layer.add_metric``; a metric held by a layer
+    is listed in ``layer.metrics`` and the model's, so ``fit`` logs it as
+    ``flip_ratio/<quantizer name>`` and resets it each epoch.
     """
 
     def __init__(self, *args, metrics=None, **kwargs):
         self._custom_metrics = metrics
         super().__init__(*args, **kwargs)
 
+    def build(self, input_shape):
+        if self._custom_metrics and "flip_ratio" in self._custom_metrics:
+            self.flip_ratio = lq_metrics.FlipRatio(name=f"flip_ratio/{self.name}")
+            self.flip_ratio.build(input_shape)
+        super().build(input_shape)
+
     def call(self, inputs):
+        if getattr(self, "flip_ratio", None) is not None:
+            self.flip_ratio.update_state(inputs)
         return inputs
 
     def get_config(self):

@@ -1,5 +1,6 @@
 """larq.utils on Keras 3."""
 
+import importlib
 from contextlib import contextmanager
 
 import keras
@@ -29,6 +30,23 @@ def register_alias(name: str):
         return cls
 
     return register
+
+
+def register_keras_name(kind: str, name: str, obj):
+    """Makes ``keras.<kind>.get(name)`` return ``obj`` (``kind``: "activations",
+    "constraints").
+
+    Keras 3's ``get(str)`` looks a name up only in its own table of built-ins
+    (``keras.src.<kind>.ALL_OBJECTS_DICT``), never in the custom-object registry
+    that tf-keras consulted, so larq's string names need an entry there. A name
+    Keras already has keeps Keras's object. A Keras without that table leaves
+    ``get(name)`` unresolved (layers still resolve larq's names themselves).
+    """
+    try:
+        table = importlib.import_module(f"keras.src.{kind}").ALL_OBJECTS_DICT
+    except (ImportError, AttributeError):
+        return
+    table.setdefault(name, obj)
 
 
 def set_precision(precision: int = 32):
