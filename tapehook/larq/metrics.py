@@ -1,9 +1,8 @@
 """larq.metrics on Keras 3: FlipRatio, the fraction of values that changed.
 
-For a model, tapehook's ``tapehook.FlipRatio`` Keras callback logs the flip
-ratio of every binary kernel during ``fit`` (Keras 3 layers cannot add
-metrics from inside ``call`` as larq's quantizers did); this metric tracks any
-tensor you feed it.
+A quantizer created under ``context.metrics_scope(["flip_ratio"])`` holds one
+of these on its output (``quantizers._BaseQuantizer``); ``tapehook.FlipRatio``,
+a Keras callback, logs the flip ratio of every binary kernel without it.
 """
 
 import keras
