@@ -1,4 +1,12 @@
-"""tapehook.summary(model): a per-layer table of what is binary and what it costs."""
+"""tapehook.summary(model): a per-layer table of what is binary and what it costs.
+
+Costs are counted as the BNN literature counts them (Bi-Real-Net, ReActNet,
+larq-zoo): per sample, one MAC per multiply-accumulate of a conv or dense
+layer; a MAC is *binary* (a BOP) only where both its operands are 1 bit (a
+binary kernel on a binarized input), every other MAC is a float one (a
+FLOP); OPs = FLOPs + BOPs / 64, the rate of a 64-bit XNOR-popcount against
+one float multiply-add.
+"""
 
 import dataclasses
 import math
@@ -24,6 +32,7 @@ class ModelSummary:
             "mem binarized",
             "binary MACs",
             "float MACs",
+            "OPs",
         )
         lines = [header] + [
             (
@@ -36,6 +45,7 @@ class ModelSummary:
                 _bytes(r["binarized_bytes"]),
                 _count(r["binary_macs"]),
                 _count(r["float_macs"]),
+                _count(r["ops"]),
             )
             for r in self.rows
         ]
@@ -51,6 +61,7 @@ class ModelSummary:
                 _bytes(t["binarized_bytes"]),
                 _count(t["binary_macs"]),
                 _count(t["float_macs"]),
+                _count(t["ops"]),
             )
         )
         widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
@@ -62,7 +73,8 @@ class ModelSummary:
             f"binary params: {t['binary_params']:,} of {t['params']:,}; "
             f"model memory {_bytes(t['float32_bytes'])} at 32 bits, "
             f"{_bytes(t['binarized_bytes'])} with 1-bit binary kernels "
-            f"({ratio:.1f}x smaller); MACs per sample."
+            f"({ratio:.1f}x smaller); MACs and OPs (float MACs + binary MACs / 64) "
+            "per sample."
         )
         return "\n".join(text)
 
@@ -113,20 +125,49 @@ def _macs(layer):
     return pixels * math.prod(kernel.shape)
 
 
+def _bits(quantizer):
+    """Bits of a tapehook.larq quantizer's output (32: none or unknown)."""
+    precision = getattr(quantizer, "precision", None)
+    return precision if quantizer is not None and precision else 32
+
+
+def _operand_bits(layer, spec):
+    """(input bits, kernel bits) of a conv / dense layer's products."""
+    if spec is not None:
+        return (1 if spec.activation_estimator else 32), (1 if spec.weights else 32)
+    kernel_quantizer = getattr(layer, "kernel_quantizer", None) or getattr(
+        layer, "depthwise_quantizer", None
+    )
+    return _bits(getattr(layer, "input_quantizer", None)), _bits(kernel_quantizer)
+
+
+def _leaf_layers(container):
+    """The layers that get a row: those with a kernel (a tapehook.larq layer's
+    quantizers are part of its row) and those holding no layers; containers
+    (sub-models, blocks) give their layers' rows instead."""
+    for layer in container._flatten_layers(include_self=False, recursive=False):
+        if getattr(layer, "kernel", None) is not None or not layer._flatten_layers(
+            include_self=False
+        ):
+            yield layer
+        else:
+            yield from _leaf_layers(layer)
+
+
 def summary(model, print_fn=print) -> ModelSummary:
     """Per-layer table: binary or float, spec, parameters, memory at 32 bits and
-    with binary kernels stored at 1 bit (plus alpha), binary and float MACs.
+    with binary kernels stored at 1 bit (plus alpha), binary MACs (1-bit
+    kernel on a 1-bit input), float MACs and OPs (module docstring).
     Printed with ``print_fn`` (None to skip) and returned as data."""
     rows = []
-    for layer in model._flatten_layers(include_self=False):
-        if layer._flatten_layers(include_self=False):
-            continue  # a container: its layers have rows of their own
+    for layer in _leaf_layers(model):
         params = sum(math.prod(w.shape) for w in layer.weights)
         kernel = getattr(layer, "kernel", None)
         spec = marks.binary_spec_of(kernel) if kernel is not None else None
         binary_params = math.prod(kernel.shape) if spec else 0
         alpha_bytes = 4 * kernel.shape[-1] if spec and spec.scale else 0
         macs = _macs(layer)
+        both_binary = _operand_bits(layer, spec) == (1, 1)
         rows.append(
             dict(
                 name=layer.name,
@@ -139,8 +180,9 @@ def summary(model, print_fn=print) -> ModelSummary:
                 binarized_bytes=4 * (params - binary_params)
                 + math.ceil(binary_params / 8)
                 + alpha_bytes,
-                binary_macs=macs if spec else 0,
-                float_macs=0 if spec else macs,
+                binary_macs=macs if both_binary else 0,
+                float_macs=0 if both_binary else macs,
+                ops=(macs / 64 if both_binary else macs),
             )
         )
     keys = (
@@ -150,6 +192,7 @@ def summary(model, print_fn=print) -> ModelSummary:
         "binarized_bytes",
         "binary_macs",
         "float_macs",
+        "ops",
     )
     totals = {k: sum(r[k] for r in rows) for k in keys}
     totals["binary_layers"] = sum(r["binary"] for r in rows)

@@ -367,20 +367,49 @@ def test_summary_counts_bits_and_macs():
             keras.Input((8, 8, 3)),
             keras.layers.Conv2D(16, 3, padding="same", use_bias=False, name="f"),
             keras.layers.Conv2D(32, 3, padding="same", use_bias=False, name="b"),
+            keras.layers.Conv2D(8, 3, padding="same", use_bias=False, name="w"),
             keras.layers.Flatten(),
             keras.layers.Dense(10, name="d"),
         ]
     )
-    tapehook.binarize(model, include="b", scale="mean_abs")
+    tapehook.binarize(model, include="b", scale="mean_abs", activations=True)
+    tapehook.binarize(model, include="w", scale="mean_abs")  # weights only
     printed = []
     result = tapehook.summary(model, print_fn=printed.append)
     rows = {r["name"]: r for r in result.rows}
-    assert rows["b"]["binary"] and not rows["f"]["binary"] and not rows["d"]["binary"]
+    assert rows["b"]["binary"] and rows["w"]["binary"] and not rows["f"]["binary"]
     assert rows["b"]["binary_params"] == 3 * 3 * 16 * 32
     assert rows["b"]["binarized_bytes"] == 3 * 3 * 16 * 32 // 8 + 4 * 32
-    assert rows["b"]["binary_macs"] == 8 * 8 * 3 * 3 * 16 * 32
+    # 1-bit x 1-bit products are binary MACs; a binary kernel on a float
+    # input multiplies floats by +-alpha: float MACs.
+    assert rows["b"]["binary_macs"] == 8 * 8 * 3 * 3 * 16 * 32 and rows["b"]["float_macs"] == 0
+    assert rows["w"]["binary_macs"] == 0 and rows["w"]["float_macs"] == 8 * 8 * 3 * 3 * 32 * 8
     assert rows["f"]["float_macs"] == 8 * 8 * 3 * 3 * 3 * 16
-    assert rows["d"]["float_macs"] == 8 * 8 * 32 * 10
-    assert result.totals["binary_layers"] == 1
+    assert rows["d"]["float_macs"] == 8 * 8 * 8 * 10
+    flops = 8 * 8 * 3 * 3 * 3 * 16 + 8 * 8 * 3 * 3 * 32 * 8 + 8 * 8 * 8 * 10
+    assert result.totals["ops"] == flops + 8 * 8 * 3 * 3 * 16 * 32 / 64
+    assert result.totals["binary_layers"] == 2
     assert result.totals["params"] == model.count_params()
-    assert "b" in printed[0] and "mean_abs" in printed[0]
+    assert "b" in printed[0] and "mean_abs" in printed[0] and "OPs" in printed[0]
+
+
+def test_summary_counts_larq_quantizer_precision():
+    """tapehook.larq layers count by their quantizers' precision, marked or not."""
+    import tapehook.larq as lq
+
+    def layer(name, input_quantizer):
+        return lq.layers.QuantConv2D(
+            4, 3, padding="same", use_bias=False, name=name,
+            input_quantizer=input_quantizer, kernel_quantizer="ste_sign",
+            kernel_constraint="weight_clip",
+        )  # fmt: skip
+
+    model = keras.Sequential([keras.Input((6, 6, 4)), layer("bb", "ste_sign"), layer("fb", None)])
+    rows = {r["name"]: r for r in tapehook.summary(model, print_fn=None).rows}
+    macs = 6 * 6 * 3 * 3 * 4 * 4
+    assert (rows["bb"]["binary_macs"], rows["bb"]["float_macs"], rows["bb"]["ops"]) == (
+        macs,
+        0,
+        macs / 64,
+    )
+    assert (rows["fb"]["binary_macs"], rows["fb"]["float_macs"]) == (0, macs)
