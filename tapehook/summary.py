@@ -12,14 +12,18 @@ import dataclasses
 import math
 
 from tapehook import marks, models
+from tapehook.config import config
 
 
 @dataclasses.dataclass
 class ModelSummary:
-    """``rows``: one dict per layer; ``totals``: sums. ``str()`` is the table."""
+    """``rows``: one dict per layer; ``totals``: sums; ``settings``: the
+    tapehook.config settings in force when it was made. ``str()`` is the
+    table, then the settings on one line."""
 
     rows: list
     totals: dict
+    settings: dict = dataclasses.field(default_factory=dict)
 
     def __str__(self):
         header = (
@@ -76,6 +80,11 @@ class ModelSummary:
             f"({ratio:.1f}x smaller); MACs and OPs (float MACs + binary MACs / 64) "
             "per sample."
         )
+        if self.settings:
+            text.append(
+                "settings (tapehook.config): "
+                + ", ".join(f"{name}={value!r}" for name, value in self.settings.items())
+            )
         return "\n".join(text)
 
 
@@ -164,10 +173,11 @@ def summary(model, print_fn=print) -> ModelSummary:
         params = sum(math.prod(w.shape) for w in layer.weights)
         kernel = getattr(layer, "kernel", None)
         spec = marks.binary_spec_of(kernel) if kernel is not None else None
-        binary_params = math.prod(kernel.shape) if spec else 0
+        input_bits, kernel_bits = _operand_bits(layer, spec)
+        binary_params = math.prod(kernel.shape) if kernel_bits == 1 else 0
         alpha_bytes = 4 * kernel.shape[-1] if spec and spec.scale else 0
         macs = _macs(layer)
-        both_binary = _operand_bits(layer, spec) == (1, 1)
+        both_binary = (input_bits, kernel_bits) == (1, 1)
         rows.append(
             dict(
                 name=layer.name,
@@ -196,7 +206,7 @@ def summary(model, print_fn=print) -> ModelSummary:
     )
     totals = {k: sum(r[k] for r in rows) for k in keys}
     totals["binary_layers"] = sum(r["binary"] for r in rows)
-    result = ModelSummary(rows, totals)
+    result = ModelSummary(rows, totals, config.current())
     if print_fn is not None:
         print_fn(str(result))
     return result

@@ -253,3 +253,15 @@ def test_every_model_asks_larq_zoos_release_url(name, server):
             path = f"/{expected['model']}-{expected['version']}/{expected['file']}"
             assert server.requests == [path]
             assert server.url + path in str(info.value)
+
+
+@pytest.mark.slow
+def test_cost_table_in_the_guide_is_current():
+    """docs/guides/zoo.md's cost table is what tapehook.summary counts now."""
+    import importlib.util
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "scripts" / "zoo_costs.py"
+    spec = importlib.util.spec_from_file_location("zoo_costs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--check"])
