@@ -8,6 +8,7 @@ kernels. See docs/design.md.
 
 from tapehook import layers, optimizers
 from tapehook.callbacks import FlipRatio
+from tapehook.config import config
 from tapehook.constraints import WeightClip
 from tapehook.counts import dispatch_counts, reset_dispatch_counts
 from tapehook.deploy import export_savedmodel, export_tflite
@@ -32,6 +33,7 @@ __all__ = [
     "binarize",
     "binary_scope",
     "binary_spec_of",
+    "config",
     "dispatch_counts",
     "export_bitpacked",
     "export_savedmodel",

@@ -102,7 +102,11 @@ def _canonical(name, value):
     """``value`` checked for setting ``name``; True / False / 1 / 0 stand for
     pack_inputs' and fast_layers' '1' / '0'."""
     setting = _setting(name)
-    if name in ("pack_inputs", "fast_layers") and isinstance(value, (bool, int)) and value in (0, 1):
+    if (
+        name in ("pack_inputs", "fast_layers")
+        and isinstance(value, (bool, int))
+        and value in (0, 1)
+    ):
         value = str(int(value))
     if value not in setting.allowed:
         raise TapehookError(

@@ -9,10 +9,11 @@ query, ``kernels.conv_capabilities``); it returns ``STOCK`` or a plan, an
 implementation name that travels to the kernel as the op's ``plan`` attr
 (cc_kernels/core/plan.h), which runs it without deciding again.
 
-``TAPEHOOK_DISPATCH`` picks the policy, read at each decision (trace time in
-graphs): ``auto`` (default), ``kernels`` (always tapehook's kernels, on the
-best implementation the CPU can run, and on a GPU its CUDA kernels; what the
-test suite checks against the reference) or ``stock``.
+``tapehook.config``'s ``dispatch`` picks the policy (default: the
+``TAPEHOOK_DISPATCH`` environment variable, else ``auto``), read at each
+decision (trace time in graphs): ``auto``, ``kernels`` (always tapehook's
+kernels, on the best implementation the CPU can run, and on a GPU its CUDA
+kernels; what the test suite checks against the reference) or ``stock``.
 
 Where TensorFlow sees a GPU (``kernels.gpu_visible``: it then places a binary
 conv's ops there), ``auto`` runs every binary conv stock: cuDNN convolutions
@@ -22,53 +23,47 @@ GPU only through the framework-free harness (their TF wrapper has never run
 inside TensorFlow), and a fully binary step on them is slower than cuDNN at
 every measured shape (bench/CUDA.md).
 
-On the CPU, ``auto`` follows bench/results/latest.json, measured in one run
-against stock TF with oneDNN on and off (docs/performance.md):
+On the CPU, ``auto`` follows the benchmarks, run against stock TF with
+oneDNN on and off (bench/run.py, bench/backprops.py; docs/performance.md):
 
-- forward with binary activations: tapehook's bitpacked xor/popcount kernel,
-  faster than stock on every measured shape;
+- forward with binary activations: tapehook's bitpacked xor/popcount kernel
+  (one xor and popcount does a machine word of binary multiply-adds);
 - convolutions with a float operand (the weight-only forward, both
   backprops) where the AMX kernels can run them (the capability query: Intel
   AMX, not float64, stride 1 for the forward — the backprops run strided
-  convs by phases), SAME or VALID padding and at least
-  AMX_MIN_PIXELS input pixels (batch x H x W), dW also at least
-  AMX_MIN_TAPS kernel taps unless the input was kept as packed bits:
-  tapehook's kernels, which run them as exact bf16x3 AMX GEMMs
-  (cc_kernels/core/amx_conv.h) — except the dW of a weight-only conv (float x
-  times float dy, six bf16 products per term) when TF runs oneDNN, whose
-  backprop-filter is then faster;
+  convs by phases), SAME or VALID padding and at least AMX_MIN_PIXELS input
+  pixels (batch x H x W), dW also at least AMX_MIN_TAPS kernel taps unless
+  the input was kept as packed bits: tapehook's kernels, which run them as
+  exact bf16x3 AMX GEMMs (cc_kernels/core/amx_conv.h) — except the dW of a
+  weight-only conv (float x times float dy, six bf16 products per term) when
+  TF runs oneDNN, whose backprop-filter then wins;
 - otherwise, forward with float activations: stock Conv2D on sign(W), then
-  alpha; our AVX2 float kernels reached 0.5-0.8x of TF's AVX-512/oneDNN
-  convolutions;
+  alpha (TF's AVX-512 / oneDNN float convolutions beat our AVX2 ones);
 - otherwise, backprops with a ±1 operand (dX: sign W; a dW with binary
   activations: sign x) on AVX-512, float32, undilated, of a conv whose
   forward ran on the kernels (a forward on stock takes the whole conv to
   reference.py, which differentiates itself): tapehook's sign-table
   kernels (plan ``avx512``, cc_kernels/core/lut_backprop.h): a vpermps picks
   one of the 16 signed sums of 4 float values per lane, 64 multiply-adds per
-  permute and add against 16 per FMA; 1.6-3.0x of oneDNN's float backprops
-  at the Bi-Real-Net and QuickNet shapes, batch 32 (bench/lut_backprop/);
-  also dX on AMX CPUs where dy's image is under AMX_MIN_IMAGE_PIXELS pixels
-  (4x4: a 4x4 stage, or a stride-2 conv from 7x7), where it beats the AMX
-  GEMM;
+  permute and add against 16 per FMA; also dX on AMX CPUs where dy's image
+  is under AMX_MIN_IMAGE_PIXELS pixels (a 4x4 stage, or a stride-2 conv
+  from 7x7), where the AMX GEMM's fixed preparation does not pay;
 - otherwise, where TF runs Eigen's convolutions (oneDNN off, as TF sets it
-  on AVX2 CPUs), plan ``avx2``: dX on tapehook's AVX2 GEMM, 1.0-4.4x of
-  Eigen's backprop-input at the Bi-Real-Net and QuickNet shapes, and a
-  binary-input dW on the AVX2 sign tables (cc_kernels/core/
-  lut_backprop_avx2.h: 8 signed sums of 3 dy values per vpermps), 1.1-3.6x
-  of Eigen's backprop-filter;
+  on AVX2 CPUs), plan ``avx2``: dX on tapehook's AVX2 GEMM (sign W needs no
+  multiplies), and a binary-input dW on the AVX2 sign tables
+  (cc_kernels/core/lut_backprop_avx2.h: 8 signed sums of 3 dy values per
+  vpermps);
 - otherwise, backprops: stock Conv2DBackpropInput / Filter on
   (x_hat, alpha sign W) with the estimator masks applied after, except for
   dilated convs, which TF's CPU backprops reject and tapehook's kernels
   handle natively.
 """
 
-import os
-
+from tapehook.config import SETTINGS, config
 from tapehook.errors import TapehookError
 
 KERNELS, STOCK = "kernels", "stock"
-POLICIES = ("auto", KERNELS, STOCK)
+POLICIES = SETTINGS["dispatch"].allowed  # ("auto", KERNELS, STOCK)
 # Where a binary conv's ops run: TF places them on a GPU whenever it sees one.
 CPU, GPU = "cpu", "gpu"
 DEVICES = (CPU, GPU)
@@ -77,32 +72,21 @@ PREFERENCE = ("amx", "avx512", "avx2", "portable")
 
 
 def policy() -> str:
-    value = os.environ.get("TAPEHOOK_DISPATCH", "auto")
-    if value not in POLICIES:
-        raise TapehookError(f"TAPEHOOK_DISPATCH={value!r}; use one of {POLICIES}")
-    return value
+    """The dispatch policy in force here (tapehook.config's ``dispatch``)."""
+    return config.get("dispatch")
 
 
 # The AMX kernels split their float operand and pack sign(W) before the GEMM;
 # below these sizes that preparation outweighs the GEMM and stock convs win.
-# Bench (oneDNN on): batch-1 14x14x256 (196 pixels) at parity to 1.15x;
-# 1x1: forward 1.2-1.3x, dX 1.2x, a float-input dW 0.96-1.07x.
+# Set by bench/run.py and bench/backprops.py; docs/performance.md.
 AMX_MIN_TAPS = 4
 AMX_MIN_PIXELS = 128
 # On an AMX CPU, a dX with sign W whose dy has images of fewer pixels than
 # this runs on the AVX-512 sign-table kernel, not the AMX GEMM (whose fixed
 # preparation of the float dy does not pay there). dy's image, not x's: a
-# strided dX's AMX GEMM runs over dy's grid (by phases). Bench (batch 32,
-# 3x3, min over 2 runs, bench/backprops.py --plans amx,avx512 --only 7x7;
-# bench/results/backprops_amx_7x7_*.json): 4x4 dy (a stride-2 conv from
-# 7x7x256) sign-table 1.24-1.29x AMX; 7x7 dy AMX 1.05-1.12x (7x7x256) and
-# 1.18x (7x7x512), since the AMX grid shares its padding and the dW / dX
-# blocking fits L2 (before, AMX lost there 1.15-1.19x and the line was 100
-# pixels of x); 4x4x512 sign-table 1.44x / 1.59x (backprops_amx.json). A
-# binary-input dW stays on AMX at every size, from floats or packed bits:
-# 1.08-1.28x the sign-table kernel at 7x7 and 4x4 since the AMX dW's dy
-# layout stopped overfilling L2 sets (before, it ran 1.05-2.4x slower there,
-# and this rule sent dW to the sign tables too).
+# strided dX's AMX GEMM runs over dy's grid (by phases). A binary-input dW
+# stays on AMX at every size, from floats or packed bits. Set by
+# bench/backprops.py --plans amx,avx512; docs/performance.md.
 AMX_MIN_IMAGE_PIXELS = 49
 
 
@@ -197,8 +181,9 @@ def choose(
         return best  # stock CPU backprops reject dilation
     # Where AMX does not run a backprop (or does not pay), the AVX-512
     # sign-table kernels do when they can (their capability: a ±1 operand,
-    # sign W for dX, sign x for a binary-input dW; float32): 1.6-3.0x of
-    # oneDNN at every measured shape (bench/lut_backprop/REPORT.md).
+    # sign W for dX, sign x for a binary-input dW; float32): four multiply-
+    # adds per lane and instruction where oneDNN's float GEMM does one
+    # (bench/lut_backprop/REPORT.md).
     otherwise = "avx512" if "avx512" in capabilities else STOCK
     if (
         otherwise == STOCK
@@ -208,14 +193,13 @@ def choose(
     ):
         # No AVX-512 sign-table kernels (an AVX2 CPU) and TF on Eigen's
         # convolutions (it turns oneDNN on only on newer ISAs): plan avx2's
-        # dX (its GEMM) beats Eigen's backprop-input at every Bi-Real-Net /
-        # QuickNet shape, 1.0-4.4x, and its dW of a binary input (the AVX2
-        # sign tables, lut_backprop_avx2.h) Eigen's backprop-filter, 1.1-3.6x
-        # (bench/results/backprops_avx2.json). A float input's dW stays stock
-        # (the GEMM: 0.5-1.3x).
+        # dX (its GEMM on sign W) and its dW of a binary input (the AVX2 sign
+        # tables, lut_backprop_avx2.h) beat Eigen's backprops; a float
+        # input's dW has no ±1 operand to exploit and stays stock
+        # (bench/results/backprops_avx2.json).
         otherwise = "avx2"
     # A 1x1 dW runs about as fast as stock on AMX: take it only when the
-    # kernels save unpacking the input bits. A 1x1 dX wins (1.2x).
+    # kernels save unpacking the input bits. A 1x1 dX wins.
     min_taps = 1 if packed or not filter_grad else AMX_MIN_TAPS
     if not _amx_pays(capabilities, attrs, x_shape, w_shape, min_taps):
         return otherwise

@@ -71,7 +71,7 @@ class PackedConvOp:
 
 
 def _library():
-    library = kernels.library()
+    library = kernels.loaded_library()
     if library is None:
         raise TapehookError(
             "a binary Conv2D recorded on the compiled kernels needs them for its "
@@ -151,7 +151,9 @@ def binary_backward(x, w, dy, spec, attrs, skip=()):
     """(dX, dW), None where skipped. ``x`` may be the PackedInput kept instead
     of the input. Each backprop takes its own path (the dispatcher may split
     them)."""
-    kernels.backprop_dy()  # a bad TAPEHOOK_BACKPROP_DY fails here
+    # The backprop ops' backprop_dy attr: tapehook.config's, as the backward
+    # is built (a bad TAPEHOOK_BACKPROP_DY fails here).
+    kernel_attrs = {**attrs, "backprop_dy": kernels.backprop_dy()}
     packed = isinstance(x, PackedInput)
     paths = {
         op: dispatch.backprop_path(
@@ -170,7 +172,7 @@ def binary_backward(x, w, dy, spec, attrs, skip=()):
     grads = _stock_backprops(stock, x, w, dy, spec, attrs) if stock else {}
     for op, path in paths.items():
         if dispatch.runs_kernels(path):
-            grads[op] = _kernel_backprop(op, path, x, w, dy, spec, attrs)
+            grads[op] = _kernel_backprop(op, path, x, w, dy, spec, kernel_attrs)
     return tuple(grads.get(op) for op in BACKPROPS)
 
 

@@ -6,8 +6,12 @@ TF version is never loaded into another. If it cannot be built or loaded,
 binary convs run on the reference path (plain TF ops, same math), a warning is
 emitted once, and ``kernel_info()`` says why.
 
-``TAPEHOOK_KERNELS`` chooses the backend: ``auto`` (default), ``reference``
-(never load the library) or ``compiled`` (a missing library is an error).
+``tapehook.config``'s ``kernels`` chooses the backend, read where a binary
+conv is built: ``auto`` (default), ``reference`` (binary convs on the
+reference path) or ``compiled`` (a library that could not be built or loaded
+is an error). Its environment variable, ``TAPEHOOK_KERNELS``, also decides
+at import: under ``reference`` the library is not built until a setting
+asks for it.
 """
 
 import ctypes
@@ -27,6 +31,7 @@ import warnings
 import tensorflow as tf
 
 from tapehook import cuda_build, dispatch
+from tapehook.config import config
 from tapehook.errors import TapehookError
 
 _PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
@@ -39,22 +44,14 @@ AFFINE_OP = "TapehookBinaryConv2DAffine"
 # batch norm folded in too: conv2d.fold_residual_add).
 AFFINE_ADD_OP = "TapehookBinaryConv2DAffineAdd"
 _COUNT_KINDS = ("forward", "backprop_input", "backprop_filter")
-# TAPEHOOK_BACKPROP_DY: how the AMX backprops split dy into bf16 parts
-# (cc_kernels/core/amx_conv.h, which reads it per call): "exact" (default;
-# three parts, every product exact) or "bf16x2" (two parts: dy to 16
-# significant bits, |error| <= 2^-16 |dy| per product; 2/3 of the work).
-BACKPROP_DY_MODES = ("exact", "bf16x2")
 
 
 def backprop_dy() -> str:
-    """The TAPEHOOK_BACKPROP_DY setting, checked (read where a binary
-    backward is built, so a bad value fails there, not silently in C++)."""
-    value = os.environ.get("TAPEHOOK_BACKPROP_DY", "exact")
-    if value not in BACKPROP_DY_MODES:
-        raise TapehookError(
-            f"TAPEHOOK_BACKPROP_DY={value!r}; use one of {BACKPROP_DY_MODES} (unset is 'exact')"
-        )
-    return value
+    """The backprop_dy setting in force here (tapehook.config): the
+    backprop ops' ``backprop_dy`` attr, how the AMX backprops split dy into
+    bf16 parts (cc_kernels/core/binary_conv.h DySplit). Read where a binary
+    backward is built."""
+    return config.get("backprop_dy")
 
 
 def binary_op_attrs(op) -> dict:
@@ -269,40 +266,47 @@ def _load():
     return library, cdll, record
 
 
-def _mode():
-    mode = os.environ.get("TAPEHOOK_KERNELS", "auto")
-    if mode not in ("auto", "reference", "compiled"):
-        raise TapehookError(f"TAPEHOOK_KERNELS={mode!r}; use 'auto', 'reference' or 'compiled'")
-    return mode
-
-
 def library():
-    """The loaded op library, or None when binary convs use the reference path."""
+    """The loaded op library, or None when binary convs use the reference
+    path (the kernels setting is ``reference``, or the library did not load).
+    Loads it (building once if needed) the first time a setting other than
+    ``reference`` asks."""
     if _forced_reference[0]:
+        return None
+    mode = config.get("kernels")
+    if mode == "reference":
+        with _lock:
+            if _state["info"] is None:
+                _state["info"] = {"loaded": False, "reason": "kernels setting is 'reference'"}
         return None
     with _lock:
         if not _state["tried"]:
             _state["tried"] = True
-            mode = _mode()
-            if mode == "reference":
-                _state["info"] = {"loaded": False, "reason": "TAPEHOOK_KERNELS=reference"}
-            else:
-                try:
-                    _state["library"], _state["cdll"], record = _load()
-                    _state["info"] = {"loaded": True, **record}
-                except Exception as exc:  # any build/load failure: report, fall back
-                    _state["info"] = {"loaded": False, "reason": f"{type(exc).__name__}: {exc}"}
-                    if mode == "compiled":
-                        raise TapehookError(
-                            f"TAPEHOOK_KERNELS=compiled but the kernels could not be "
-                            f"built or loaded: {exc}"
-                        ) from exc
+            try:
+                _state["library"], _state["cdll"], record = _load()
+                _state["info"] = {"loaded": True, **record}
+            except Exception as exc:  # any build/load failure: report, fall back
+                _state["info"] = {"loaded": False, "reason": f"{type(exc).__name__}: {exc}"}
+                if mode != "compiled":
                     warnings.warn(
                         "tapehook: compiled kernels unavailable, binary convs run on "
                         f"the reference path (plain TF ops). Reason: {exc}",
                         RuntimeWarning,
                         stacklevel=3,
                     )
+        if mode == "compiled" and _state["library"] is None:
+            raise TapehookError(
+                "the kernels setting is 'compiled' (tapehook.config or TAPEHOOK_KERNELS) "
+                f"but the kernels could not be built or loaded: {_state['info']['reason']}"
+            )
+        return _state["library"]
+
+
+def loaded_library():
+    """The library if it is loaded, whatever the kernels setting now: for
+    ops on tensors that the kernels made (packed input bits), which only
+    they read."""
+    with _lock:
         return _state["library"]
 
 
@@ -427,12 +431,16 @@ def set_switches_for_test(no_amx=False, no_avx512=False, no_avx2=False):
 
 
 def kernel_info() -> dict:
-    """Which compiled kernels are loaded, what they were built against, or why not."""
-    library()
+    """Which compiled kernels are loaded, what they were built against, or
+    why not, and the settings in force (tapehook.config)."""
+    try:
+        library()
+    except TapehookError:  # kernels='compiled' and not loaded: info says why
+        pass
     cpu = dict(_state["info"])
     if cpu.get("loaded"):
         cpu["amx"] = amx_usable()
-    if _forced_reference[0]:
+    if _forced_reference[0] or config.get("kernels") == "reference":
         cpu["forced_reference"] = True
     if cpu.get("cuda"):
         gpu = {"loaded": True, "path": cpu["path"]}
@@ -443,7 +451,7 @@ def kernel_info() -> dict:
         }
     gpu["devices"] = [d.name for d in tf.config.list_physical_devices("GPU")]
     gpu["binary_convs"], gpu["why"] = _gpu_route(cpu)
-    return {"cpu": cpu, "gpu": gpu, "tensorflow": tf.__version__}
+    return {"cpu": cpu, "gpu": gpu, "tensorflow": tf.__version__, "settings": config.current()}
 
 
 def _gpu_route(cpu):
@@ -451,14 +459,14 @@ def _gpu_route(cpu):
     is visible."""
     if not cpu.get("loaded") or cpu.get("forced_reference"):
         return dispatch.STOCK, "the kernels are not loaded: TF ops on the binarized operands"
-    setting = f"TAPEHOOK_DISPATCH={dispatch.policy()}"
+    setting = f"dispatch={dispatch.policy()!r}"
     if dispatch.gpu_route() == dispatch.STOCK:
         if dispatch.policy() == dispatch.STOCK:
             return dispatch.STOCK, setting
         return dispatch.STOCK, (
             f"{setting}: cuDNN convolutions on the binarized operands; tapehook's CUDA "
             "kernels have not run inside TensorFlow and a fully binary step on them is "
-            "slower than cuDNN (bench/CUDA.md). TAPEHOOK_DISPATCH=kernels opts in"
+            "slower than cuDNN (bench/CUDA.md). tapehook.config(dispatch='kernels') opts in"
         )
     if cpu.get("cuda"):
         return dispatch.KERNELS, f"{setting}: tapehook's CUDA kernels (untested inside TensorFlow)"

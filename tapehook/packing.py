@@ -10,7 +10,9 @@ input the backward keeps the sign bits (masks all ones) and e'(x) itself,
 computed in the forward, in 16 bits (18 bits per element instead of 32):
 dW is exact (it reads only sign(x)) and dX is dX_hat * e'(x).
 
-``TAPEHOOK_PACK_INPUTS`` chooses (read at each conv's forward):
+``tapehook.config``'s ``pack_inputs`` chooses (default: the
+``TAPEHOOK_PACK_INPUTS`` environment variable, else ``1``; read at each
+conv's forward):
 
 - ``1`` (default): ste_sign inputs as bits; approx_sign / swish_sign inputs
   of float32 as bits plus e'(x) in 16-bit fixed point over the derivative's
@@ -33,12 +35,11 @@ dW is exact (it reads only sign(x)) and dX is dX_hat * e'(x).
 """
 
 import dataclasses
-import os
 
 import tensorflow as tf
 
 from tapehook import kernels
-from tapehook.errors import TapehookError
+from tapehook.config import config
 from tapehook.spec import _clip_attrs
 
 # Clip attrs of no ste_sign mask (+inf): all mask bits one.
@@ -53,7 +54,7 @@ class PackedInput:
     channels: int
     dtype: tf.DType
     # e'(x) of a continuous estimator: uint16 fixed point (the default) or
-    # float16 (TAPEHOOK_PACK_INPUTS=float16); None for ste_sign, whose e'(x)
+    # float16 (pack_inputs='float16'); None for ste_sign, whose e'(x)
     # is the mask bits.
     derivative: tf.Tensor | None = None
     estimator: str | None = None
@@ -66,7 +67,7 @@ class PackedInput:
     def unpack(self):
         """(sign(x) as +-1, e'(x)) in x's dtype: e'(x) is the ste_sign mask
         1{|x| <= clip}, or the kept derivative as the kernels widen it."""
-        library = kernels.library()
+        library = kernels.loaded_library()
         x_hat, mask = library.tapehook_unpack_input(
             self.packed, channels=self.channels, T=self.dtype
         )
@@ -78,7 +79,7 @@ class PackedInput:
 def scale_by_derivative(grad, packed: PackedInput):
     """grad * the kept e'(x), on the kernels (which own the fixed point's
     offset and step)."""
-    library = kernels.library()
+    library = kernels.loaded_library()
     if packed.derivative.dtype == tf.float16:
         return library.tapehook_scale_by_half(grad, packed.derivative)
     return library.tapehook_scale_by_fixed(
@@ -86,14 +87,9 @@ def scale_by_derivative(grad, packed: PackedInput):
     )
 
 
-MODES = ("1", "0", "float16", "float32")
-
-
 def mode() -> str:
-    value = os.environ.get("TAPEHOOK_PACK_INPUTS", "1")
-    if value not in MODES:
-        raise TapehookError(f"TAPEHOOK_PACK_INPUTS={value!r}; use one of {MODES} (packing.py)")
-    return value
+    """The pack_inputs setting in force here (tapehook.config)."""
+    return config.get("pack_inputs")
 
 
 def packable(x, spec) -> bool:

@@ -1,5 +1,6 @@
-"""TAPEHOOK_BACKPROP_DY=bf16x2: the AMX backprops split dy into two bf16
-parts instead of three (cc_kernels/core/amx_conv.h). dX and dW against the
+"""tapehook.config(backprop_dy="bf16x2") (default: TAPEHOOK_BACKPROP_DY):
+the AMX backprops split dy into two bf16 parts instead of three
+(cc_kernels/core/amx_conv.h), told so by the backprop ops' backprop_dy attr. dX and dW against the
 float64 reference within the documented bound (2^-16 of the sum of the
 absolute products, plus fp32 accumulation) in every execution mode; that the
 setting changes the results where AMX runs them and nothing elsewhere; that
@@ -21,15 +22,23 @@ SPEC = tapehook.BinarySpec(activations=True, scale="mean_abs")
 CONV = {"strides": 1, "padding": "SAME"}
 
 
-def _run(mode, monkeypatch, setting):
-    monkeypatch.setenv("TAPEHOOK_DISPATCH", "kernels")
-    if setting is None:
+def _run(mode, monkeypatch, setting, env=None):
+    """The conv's (x, w0, g, dX, dW) in ``mode`` with ``setting`` in a
+    tapehook.config block (None: no block) and ``env`` as
+    TAPEHOOK_BACKPROP_DY (None: unset)."""
+    if env is None:
         monkeypatch.delenv("TAPEHOOK_BACKPROP_DY", raising=False)
     else:
-        monkeypatch.setenv("TAPEHOOK_BACKPROP_DY", setting)
+        monkeypatch.setenv("TAPEHOOK_BACKPROP_DY", env)
     x, w0 = random_inputs(X_SHAPE, W_SHAPE, seed=3)
     g = upstream(X_SHAPE[:3] + W_SHAPE[3:], tf.float32, seed=4)
-    _, dx, dw = MODES[mode](x, w0, g, CONV, lambda w: tapehook.mark_binary(w, **spec_kwargs(SPEC)))
+    settings = {"dispatch": "kernels"}
+    if setting is not None:
+        settings["backprop_dy"] = setting
+    with tapehook.config(**settings):
+        _, dx, dw = MODES[mode](
+            x, w0, g, CONV, lambda w: tapehook.mark_binary(w, **spec_kwargs(SPEC))
+        )
     return x, w0, g, np.asarray(dx), np.asarray(dw)
 
 
@@ -69,6 +78,19 @@ def test_bf16x2_changes_only_the_amx_backprops(monkeypatch):
         np.testing.assert_array_equal(dw2, dw3)
 
 
+def test_environment_is_the_default(monkeypatch):
+    _, _, _, dx_env, dw_env = _run("tape_in_function", monkeypatch, None, env="bf16x2")
+    _, _, _, dx2, dw2 = _run("tape_in_function", monkeypatch, "bf16x2")
+    _, _, _, dx3, dw3 = _run("tape_in_function", monkeypatch, "exact", env="bf16x2")
+    np.testing.assert_array_equal(dx_env, dx2)
+    np.testing.assert_array_equal(dw_env, dw2)
+    _, _, _, dxe, dwe = _run("tape_in_function", monkeypatch, None)
+    np.testing.assert_array_equal(dx3, dxe)  # Python's setting wins
+    np.testing.assert_array_equal(dw3, dwe)
+
+
 def test_bad_setting_is_an_error(monkeypatch):
-    with pytest.raises(tapehook.TapehookError, match="TAPEHOOK_BACKPROP_DY='bf16'.*bf16x2"):
+    with pytest.raises(tapehook.TapehookError, match="backprop_dy='bf16'.*bf16x2"):
         _run("eager", monkeypatch, "bf16")
+    with pytest.raises(tapehook.TapehookError, match="TAPEHOOK_BACKPROP_DY='bf16'.*bf16x2"):
+        _run("eager", monkeypatch, None, env="bf16")

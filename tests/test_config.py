@@ -234,3 +234,14 @@ def test_kernel_info_reports_the_settings():
     assert settings == {**config.current(), "dispatch": "stock", "backprop_dy": "bf16x2"}
     config.set(pack_inputs="float32")
     assert tapehook.kernel_info()["settings"]["pack_inputs"] == "float32"
+
+
+def test_summary_ends_with_the_settings():
+    with tapehook.binary_scope():
+        model = keras.Sequential([keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3)])
+    with config(dispatch="stock", pack_inputs="0"):
+        result = tapehook.summary(model, print_fn=None)
+    assert result.settings == {**config.current(), "dispatch": "stock", "pack_inputs": "0"}
+    last = str(result).splitlines()[-1]
+    assert last.startswith("settings (tapehook.config): dispatch='stock'")
+    assert "pack_inputs='0'" in last and "backprop_dy='exact'" in last

@@ -27,8 +27,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <functional>
 #include <memory>
 #include <vector>
@@ -45,11 +43,6 @@ namespace tapehook {
 namespace amx {
 
 bool Usable() { return TAPEHOOK_HAVE_AMX_PATH && cpu::Amx(); }
-
-int DyParts() {
-  const char* v = std::getenv("TAPEHOOK_BACKPROP_DY");
-  return v != nullptr && std::strcmp(v, "bf16x2") == 0 ? 2 : 3;
-}
 
 bool Supports(const ConvQuery& q) {
   // Unknown sizes (-1) do not exclude: the op checks again with all known.
@@ -245,7 +238,7 @@ void BackpropInputStrided(const ConvShape& s, const float* x,
                           const uint8_t* packed, const float* w,
                           const float* dy, Estimator act_est, double clip,
                           const float* alpha, float* dx,
-                          const ParallelFor& parallel_for) {
+                          const ParallelFor& parallel_for, DySplit dy_split) {
   const int64_t C = s.in_c, O = s.out_c;
   const Phases ph = PhasesOf(s);
   const Grid grid =
@@ -284,7 +277,7 @@ void BackpropInputStrided(const ConvShape& s, const float* x,
   g.o_pairs = n_phases * c_pairs;  // columns: (phase, dx channel)
   g.q_pairs = q_pairs;
   g.o_group = OGroup(g.o_pairs, max_taps, kp);
-  g.parts = DyParts();
+  g.parts = static_cast<int>(dy_split);
   g.fill = SplitFill(grid, dy, alpha ? scale.data() : nullptr, O, kp, g.parts);
   g.rows = q_pairs * 32 + max_off;
   g.max_off = max_off;
@@ -307,11 +300,12 @@ void BackpropInputStrided(const ConvShape& s, const float* x,
 bool BackpropInputImpl(const ConvShape& s, const float* x,
                        const uint8_t* packed, const float* w, const float* dy,
                        Estimator act_est, double clip, const float* alpha,
-                       float* dx, const ParallelFor& parallel_for) {
+                       float* dx, const ParallelFor& parallel_for,
+                       DySplit dy_split) {
   if (!SupportsBackpropInput(s) || !Usable()) return false;
   if (s.stride_h != 1 || s.stride_w != 1) {
     BackpropInputStrided(s, x, packed, w, dy, act_est, clip, alpha, dx,
-                         parallel_for);
+                         parallel_for, dy_split);
     return true;
   }
   const int64_t C = s.in_c, O = s.out_c, taps = s.k_h * s.k_w;
@@ -338,7 +332,7 @@ bool BackpropInputImpl(const ConvShape& s, const float* x,
   g.o_pairs = c_pairs;  // the GEMM's output columns are dx's channels
   g.q_pairs = q_pairs;
   g.o_group = OGroup(c_pairs, taps, kp);
-  g.parts = DyParts();
+  g.parts = static_cast<int>(dy_split);
   g.fill = SplitFill(grid, dy, alpha ? scale.data() : nullptr, O, kp, g.parts);
   g.rows = rows;
   g.max_off = tp.max_off;
@@ -358,7 +352,7 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
                         const uint8_t* packed, const float* w, const float* dy,
                         Estimator act_est, Estimator w_est, double clip,
                         const float* alpha, float* dw,
-                        const ParallelFor& parallel_for) {
+                        const ParallelFor& parallel_for, DySplit dy_split) {
   if (!SupportsBackpropFilter(s) || !Usable()) return false;
 #if TAPEHOOK_HAVE_AMX_PATH
   const int64_t C = s.in_c, O = s.out_c, taps = s.k_h * s.k_w;
@@ -437,20 +431,18 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
   static const int kBinX[] = {0, 0, 0}, kBinD[] = {0, 1, 2};
   // dy's parts: the binary-input dW's products x_hat * part are exact for
   // any split; a float x keeps the exact split (its six products).
-  const int dy_parts = binary ? DyParts() : 3;
+  const int dy_parts = binary ? static_cast<int>(dy_split) : 3;
   static const int kFloatX[] = {0, 0, 0, 1, 1, 2},
                    kFloatD[] = {0, 1, 2, 0, 1, 0};
   const int64_t c_pairs = c_pad / 32, o_pairs = o_pad / 32;
   const int64_t units = taps * c_pairs * o_pairs;
-  // An item's columns of x and dy fill about 1 MiB of L2 (more thrashes it;
-  // bench/run.py's 7x7x512 dW shows it). All of K in one block lets each
-  // unit's sums go straight to dW, with no partial sums through memory; it
-  // may take halving the channels per item, repeatedly (each part then
-  // re-reads its slice of dy, which its thread keeps split when the parts
-  // of one o pair run in a row). Halving only once left 7x7x512 (batch 32)
-  // in 3 k blocks, whose partial sums (3 x 9.4 MB) went through memory:
-  // halving to a quarter made its dW 1.28-1.33x as fast, a stride-2
-  // 14x14x256 -> 512 one 1.29-1.31x (bench/results/backprops_amx_cgroup_*).
+  // An item's columns of x and dy fill about 1 MiB of L2 (more thrashes it).
+  // All of K in one block lets each unit's sums go straight to dW, with no
+  // partial sums through memory; it may take halving the channels per item,
+  // repeatedly (each part then re-reads its slice of dy, which its thread
+  // keeps split when the parts of one o pair run in a row): halving only
+  // once left deep layers' dW in several k blocks whose partial sums went
+  // through memory. Set by bench/backprops.py; docs/performance.md.
   constexpr int64_t kItemBytes = int64_t{1} << 20;
   auto bytes_per_q = [&](int64_t c_group) {  // an item reads every phase
     return (x_n * 32 * c_group * n_phases + 3 * 32) * 2;
@@ -499,10 +491,9 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
   // Each item splits its own 32 channels of dy on its k block into its
   // thread's buffer, pair-interleaved: [part][q / 2][32][2], one contiguous
   // run per part that stays in L2 for every tap and c pair of the item.
-  // (Splitting all of dy up front wrote and re-read 1.5x its size through
-  // memory: 41 MB at a 56x56x64 layer of batch 32; and rows of all o_pad
-  // channels put an item's slices o_pad * 4 bytes apart, which from 128
-  // channels on overfilled L2 sets, dW running 1.4-1.9x slower.)
+  // (Splitting all of dy up front wrote and re-read more than its size
+  // through memory; and rows of all o_pad channels put an item's slices
+  // o_pad * 4 bytes apart, which for wide layers overfilled L2 sets.)
   g.fill_d = [&](int64_t q0, int64_t q1, int64_t op, uint16_t* const* out) {
     const int64_t o0 = op * 32, n = std::min<int64_t>(32, O - o0);
     for (int64_t pr = q0 / 2; pr < q1 / 2; ++pr) {
@@ -553,32 +544,33 @@ bool BackpropFilterImpl(const ConvShape& s, const float* x,
 bool BackpropInput(const ConvShape& s, const float* x, const float* w,
                    const float* dy, Estimator act_est, double clip,
                    const float* alpha, float* dx,
-                   const ParallelFor& parallel_for) {
+                   const ParallelFor& parallel_for, DySplit dy_split) {
   return BackpropInputImpl(s, x, nullptr, w, dy, act_est, clip, alpha, dx,
-                           parallel_for);
+                           parallel_for, dy_split);
 }
 
 bool BackpropFilter(const ConvShape& s, const float* x, const float* w,
                     const float* dy, Estimator act_est, Estimator w_est,
                     double clip, const float* alpha, float* dw,
-                    const ParallelFor& parallel_for) {
+                    const ParallelFor& parallel_for, DySplit dy_split) {
   return BackpropFilterImpl(s, x, nullptr, w, dy, act_est, w_est, clip, alpha,
-                            dw, parallel_for);
+                            dw, parallel_for, dy_split);
 }
 
 bool BackpropInputPacked(const ConvShape& s, const uint8_t* packed,
                          const float* w, const float* dy, const float* alpha,
-                         float* dx, const ParallelFor& parallel_for) {
+                         float* dx, const ParallelFor& parallel_for,
+                         DySplit dy_split) {
   return BackpropInputImpl(s, nullptr, packed, w, dy, Estimator::kSteSign, 1.0,
-                           alpha, dx, parallel_for);
+                           alpha, dx, parallel_for, dy_split);
 }
 
 bool BackpropFilterPacked(const ConvShape& s, const uint8_t* packed,
                           const float* w, const float* dy, Estimator w_est,
                           double clip, const float* alpha, float* dw,
-                          const ParallelFor& parallel_for) {
+                          const ParallelFor& parallel_for, DySplit dy_split) {
   return BackpropFilterImpl(s, nullptr, packed, w, dy, Estimator::kSteSign,
-                            w_est, clip, alpha, dw, parallel_for);
+                            w_est, clip, alpha, dw, parallel_for, dy_split);
 }
 
 }  // namespace amx

@@ -8,7 +8,7 @@
 // the subnormal range, which AMX flushes). So hi*s + mid*s + lo*s == v*s
 // exactly, and each AMX dot product accumulates exact products in fp32, just
 // as an fp32 GEMM does. The three parts are three K-slices of one GEMM; AMX's
-// bf16 rate (~16x the AVX-512 fp32 FMA rate per core) pays for them.
+// bf16 rate, far above the AVX-512 fp32 FMA rate per core, pays for them.
 //
 // When both operands are floats (backprop-filter of a weight-only conv), the
 // products hi_x*hi_d + hi_x*mid_d + mid_x*hi_d + hi_x*lo_d + lo_x*hi_d +
@@ -19,10 +19,10 @@
 // and of a binary-input backprop-filter) into two parts instead: hi by
 // truncation and mid = dy - hi rounded to the nearest bf16, so hi + mid is
 // dy to 16 significant bits (|dy - hi - mid| <= 2^-16 |dy|, unbiased), and
-// the GEMMs do 2/3 of the work. DyParts() says which: 2 where the
-// environment has TAPEHOOK_BACKPROP_DY=bf16x2 (read per call; tapehook/
-// kernels.py checks the value), else 3. The forward and a weight-only
-// conv's backprop-filter always split exactly.
+// the GEMMs do two thirds of the work. The caller says which with each
+// backprop's dy_split (binary_conv.h DySplit; the TF ops' backprop_dy attr,
+// set from tapehook.config). The forward and a weight-only conv's
+// backprop-filter always split exactly.
 //
 // Scope: float32; the forward stride 1 (any dilation and padding); the
 // backprops any stride (strided ones by phases, amx_conv.cc) and dilation.
@@ -44,9 +44,6 @@ namespace amx {
 // True when the AMX kernels may run here (cpu::Amx(), cpu.h) and this
 // compiler built them.
 bool Usable();
-
-// The parts dy is split into by the backprops: 3 (exact) or 2 (above).
-int DyParts();
 
 // Whether the AMX kernels take this conv (ignores Usable(); sizes of -1 count
 // as taken). The one statement of their scope: Capabilities() (plan.h) asks
@@ -81,25 +78,29 @@ bool ForwardWith(const ConvShape& s, const float* x, const ForwardFilter& f,
 bool BackpropInput(const ConvShape& s, const float* x, const float* w,
                    const float* dy, Estimator act_est, double clip,
                    const float* alpha, float* dx,
-                   const ParallelFor& parallel_for);
+                   const ParallelFor& parallel_for,
+                   DySplit dy_split = DySplit::kExact);
 
 // dw = conv2d_backprop_filter(x_hat, dy) * alpha * e'(W); x_hat = sign(x)
 // when act_est != kNone, else x.
 bool BackpropFilter(const ConvShape& s, const float* x, const float* w,
                     const float* dy, Estimator act_est, Estimator w_est,
                     double clip, const float* alpha, float* dw,
-                    const ParallelFor& parallel_for);
+                    const ParallelFor& parallel_for,
+                    DySplit dy_split = DySplit::kExact);
 
 // The same two backprops for a binary-activation conv with the ste_sign
 // estimator whose input is given as packed sign / mask bits
 // (pack_input.h), as the backward keeps it: no float x is needed.
 bool BackpropInputPacked(const ConvShape& s, const uint8_t* packed,
                          const float* w, const float* dy, const float* alpha,
-                         float* dx, const ParallelFor& parallel_for);
+                         float* dx, const ParallelFor& parallel_for,
+                         DySplit dy_split = DySplit::kExact);
 bool BackpropFilterPacked(const ConvShape& s, const uint8_t* packed,
                           const float* w, const float* dy, Estimator w_est,
                           double clip, const float* alpha, float* dw,
-                          const ParallelFor& parallel_for);
+                          const ParallelFor& parallel_for,
+                          DySplit dy_split = DySplit::kExact);
 
 }  // namespace amx
 }  // namespace tapehook

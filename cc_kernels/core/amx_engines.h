@@ -22,10 +22,10 @@ namespace amx {
 // Shifted GEMM: C[q, o] = sum_t sum_k A[q + off[t], k] * B_t[k, o].
 // A: rows of 3 * kp bf16 (kp % 32 == 0; ARowStride apart): the hi, mid and lo
 // parts of one pixel's k values, each part zero-padded to kp (2 * kp with
-// `parts` == 2: hi and a rounded mid, amx_conv.h DyParts()). The parts
-// multiply the same B, so B_t is [kp, o] and each B tile is loaded once for
-// three A tiles. B: [o_pairs][taps][kp / 32][2 tiles][16 k-pairs][16 cols][2]
-// (AMX's pair-interleaved layout), so one o pair's B is contiguous.
+// `parts` == 2: hi and a rounded mid, binary_conv.h DySplit::kBf16x2). The
+// parts multiply the same B, so B_t is [kp, o] and each B tile is loaded once
+// for three A tiles. B: [o_pairs][taps][kp / 32][2 tiles][16 k-pairs][16
+// cols][2] (AMX's pair-interleaved layout), so one o pair's B is contiguous.
 //
 // A is never materialized: each thread splits the rows it needs into a
 // window of a few hundred KiB via fill(r0, r1, dst), so A stays in L2 and

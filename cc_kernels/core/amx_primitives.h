@@ -52,7 +52,7 @@ inline uint32_t RoundToBf16Bits(uint32_t v) {
   return (v + 0x7FFFu + ((v >> 16) & 1u)) & 0xFFFF0000u;
 }
 
-// v ~ hi + mid, two bf16 parts (TAPEHOOK_BACKPROP_DY=bf16x2, amx_conv.h):
+// v ~ hi + mid, two bf16 parts (DySplit::kBf16x2, amx_conv.h):
 // hi by truncation, mid the bf16 nearest to v - hi (exact in fp32), so
 // |v - hi - mid| <= 2^-16 |v|.
 inline void Split2(float v, uint16_t* hi, uint16_t* mid) {

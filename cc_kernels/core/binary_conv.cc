@@ -290,7 +290,8 @@ template <typename T>
 void BinaryConv2DBackpropInput(const ConvShape& s, const T* x, const T* w,
                                const T* dy, Estimator act_est, double clip,
                                Scale scale, T* dx,
-                               const ParallelFor& parallel_for, Impl impl) {
+                               const ParallelFor& parallel_for, Impl impl,
+                               DySplit dy_split) {
   const int64_t in_rows = s.batch * s.in_h;
   const int64_t row_len = s.in_w * s.in_c;
   if (in_rows * row_len == 0) return;
@@ -300,7 +301,7 @@ void BinaryConv2DBackpropInput(const ConvShape& s, const T* x, const T* w,
     if (OutPixels(s) > 0 && impl == Impl::kAmx) {
       const std::vector<float> alpha = FilterAlphaFloats(s, w, scale);
       if (amx::BackpropInput(s, x, w, dy, act_est, clip, AlphaOrNull(alpha), dx,
-                             parallel_for)) {
+                             parallel_for, dy_split)) {
         return;
       }
     }
@@ -333,7 +334,8 @@ template <typename T>
 void BinaryConv2DBackpropFilter(const ConvShape& s, const T* x, const T* w,
                                 const T* dy, Estimator act_est, Estimator w_est,
                                 double clip, Scale scale, T* dw,
-                                const ParallelFor& parallel_for, Impl impl) {
+                                const ParallelFor& parallel_for, Impl impl,
+                                DySplit dy_split) {
   const int64_t C = s.in_c;
   const int64_t N = s.out_c;
   if (FilterSize(s) * N == 0) return;
@@ -344,7 +346,7 @@ void BinaryConv2DBackpropFilter(const ConvShape& s, const T* x, const T* w,
     if (pixels > 0 && impl == Impl::kAmx) {
       const std::vector<float> alpha = FilterAlphaFloats(s, w, scale);
       if (amx::BackpropFilter(s, x, w, dy, act_est, w_est, clip,
-                              AlphaOrNull(alpha), dw, parallel_for)) {
+                              AlphaOrNull(alpha), dw, parallel_for, dy_split)) {
         return;
       }
     }
@@ -431,10 +433,10 @@ void ScaleFilterGradient(const ConvShape& s, const T* w, Estimator w_est,
                                        Impl);                                  \
   template void BinaryConv2DBackpropInput<T>(                                  \
       const ConvShape&, const T*, const T*, const T*, Estimator, double,       \
-      Scale, T*, const ParallelFor&, Impl);                                    \
+      Scale, T*, const ParallelFor&, Impl, DySplit);                           \
   template void BinaryConv2DBackpropFilter<T>(                                 \
       const ConvShape&, const T*, const T*, const T*, Estimator, Estimator,    \
-      double, Scale, T*, const ParallelFor&, Impl);                            \
+      double, Scale, T*, const ParallelFor&, Impl, DySplit);                   \
   template void ScaleFilterGradient<T>(const ConvShape&, const T*, Estimator,  \
                                        double, Scale, T*, const ParallelFor&);
 

@@ -37,6 +37,13 @@ inline const float* AlphaOrNull(const std::vector<float>& alpha) {
 // Every entry point runs the implementation `impl` (plan.h), which the
 // caller chose from Capabilities(); kBest: SelectBest's.
 
+// How the AMX backprops split their float dy into bf16 parts (amx_conv.h):
+// three, every product exact (kExact), or two, dy to 16 significant bits
+// (kBf16x2, the opt-in). The value is the number of parts. The caller
+// chooses (the TF ops' backprop_dy attr); the other implementations are exact
+// fp32 and ignore it.
+enum class DySplit : int { kExact = 3, kBf16x2 = 2 };
+
 // y[batch, out_h, out_w, out_c] = conv2d(x_hat, W_hat).
 template <typename T>
 void BinaryConv2DForward(const ConvShape& s, const T* x, const T* w,
@@ -106,7 +113,8 @@ void BinaryConv2DBackpropInput(const ConvShape& s, const T* x, const T* w,
                                const T* dy, Estimator act_est, double clip,
                                Scale scale, T* dx,
                                const ParallelFor& parallel_for,
-                               Impl impl = Impl::kBest);
+                               Impl impl = Impl::kBest,
+                               DySplit dy_split = DySplit::kExact);
 
 // dw[k_h, k_w, in_c, out_c]. act_est == kNone means the input is float.
 template <typename T>
@@ -114,7 +122,8 @@ void BinaryConv2DBackpropFilter(const ConvShape& s, const T* x, const T* w,
                                 const T* dy, Estimator act_est, Estimator w_est,
                                 double clip, Scale scale, T* dw,
                                 const ParallelFor& parallel_for,
-                                Impl impl = Impl::kBest);
+                                Impl impl = Impl::kBest,
+                                DySplit dy_split = DySplit::kExact);
 
 // dw *= alpha * e'(W) in place (alpha of `scale`, e' of w_est): what every
 // backprop-filter plan applies to its sums conv2d_backprop_filter(x_hat, dY).

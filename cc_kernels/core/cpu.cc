@@ -52,7 +52,10 @@ Features Detect() {
 }
 
 bool Off(const char* name) {
-  const char* v = std::getenv(name);  // the only getenv of the kernels
+  // The only getenv of the kernels: switches that describe the machine, read
+  // once. Settings a user chooses reach the kernels as op attrs
+  // (tapehook.config).
+  const char* v = std::getenv(name);
   return v != nullptr && v[0] != '\0' && v[0] != '0';
 }
 

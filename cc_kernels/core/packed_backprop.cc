@@ -66,8 +66,8 @@ template <typename T>
 void BinaryConv2DBackpropInputPacked(const ConvShape& s, const uint8_t* packed,
                                      const T* w, const T* dy, double clip,
                                      Scale scale, T* dx,
-                                     const ParallelFor& parallel_for,
-                                     Impl impl) {
+                                     const ParallelFor& parallel_for, Impl impl,
+                                     DySplit dy_split) {
   impl = RunnableOrBest(
       QueryOf(ConvOp::kBackpropInput, s, true, true, std::is_same_v<T, double>),
       impl);
@@ -75,7 +75,7 @@ void BinaryConv2DBackpropInputPacked(const ConvShape& s, const uint8_t* packed,
     if (impl == Impl::kAmx) {
       const std::vector<float> a = FilterAlphaFloats(s, w, scale);
       if (amx::BackpropInputPacked(s, packed, w, dy, AlphaOrNull(a), dx,
-                                   parallel_for)) {
+                                   parallel_for, dy_split)) {
         return;
       }
     }
@@ -101,7 +101,7 @@ void BinaryConv2DBackpropInputPacked(const ConvShape& s, const uint8_t* packed,
   }
   const std::vector<T> x = StandIn<T>(s, packed, clip, parallel_for);
   BinaryConv2DBackpropInput(s, x.data(), w, dy, Estimator::kSteSign, clip,
-                            scale, dx, parallel_for, impl);
+                            scale, dx, parallel_for, impl, dy_split);
 }
 
 template <typename T>
@@ -109,7 +109,7 @@ void BinaryConv2DBackpropFilterPacked(const ConvShape& s, const uint8_t* packed,
                                       const T* w, const T* dy, Estimator w_est,
                                       double clip, Scale scale, T* dw,
                                       const ParallelFor& parallel_for,
-                                      Impl impl) {
+                                      Impl impl, DySplit dy_split) {
   impl = RunnableOrBest(QueryOf(ConvOp::kBackpropFilter, s, true, true,
                                 std::is_same_v<T, double>),
                         impl);
@@ -117,7 +117,8 @@ void BinaryConv2DBackpropFilterPacked(const ConvShape& s, const uint8_t* packed,
     if (impl == Impl::kAmx) {
       const std::vector<float> a = FilterAlphaFloats(s, w, scale);
       if (amx::BackpropFilterPacked(s, packed, w, dy, w_est, clip,
-                                    AlphaOrNull(a), dw, parallel_for)) {
+                                    AlphaOrNull(a), dw, parallel_for,
+                                    dy_split)) {
         return;
       }
     }
@@ -131,22 +132,20 @@ void BinaryConv2DBackpropFilterPacked(const ConvShape& s, const uint8_t* packed,
   }
   const std::vector<T> x = StandIn<T>(s, packed, clip, parallel_for);
   BinaryConv2DBackpropFilter(s, x.data(), w, dy, Estimator::kSteSign, w_est,
-                             clip, scale, dw, parallel_for, impl);
+                             clip, scale, dw, parallel_for, impl, dy_split);
 }
 
-template void BinaryConv2DBackpropInputPacked<float>(const ConvShape&,
-                                                     const uint8_t*,
-                                                     const float*, const float*,
-                                                     double, Scale, float*,
-                                                     const ParallelFor&, Impl);
+template void BinaryConv2DBackpropInputPacked<float>(
+    const ConvShape&, const uint8_t*, const float*, const float*, double, Scale,
+    float*, const ParallelFor&, Impl, DySplit);
 template void BinaryConv2DBackpropInputPacked<double>(
     const ConvShape&, const uint8_t*, const double*, const double*, double,
-    Scale, double*, const ParallelFor&, Impl);
+    Scale, double*, const ParallelFor&, Impl, DySplit);
 template void BinaryConv2DBackpropFilterPacked<float>(
     const ConvShape&, const uint8_t*, const float*, const float*, Estimator,
-    double, Scale, float*, const ParallelFor&, Impl);
+    double, Scale, float*, const ParallelFor&, Impl, DySplit);
 template void BinaryConv2DBackpropFilterPacked<double>(
     const ConvShape&, const uint8_t*, const double*, const double*, Estimator,
-    double, Scale, double*, const ParallelFor&, Impl);
+    double, Scale, double*, const ParallelFor&, Impl, DySplit);
 
 }  // namespace tapehook

@@ -23,13 +23,15 @@ void BinaryConv2DBackpropInputPacked(const ConvShape& s, const uint8_t* packed,
                                      const T* w, const T* dy, double clip,
                                      Scale scale, T* dx,
                                      const ParallelFor& parallel_for,
-                                     Impl impl = Impl::kBest);
+                                     Impl impl = Impl::kBest,
+                                     DySplit dy_split = DySplit::kExact);
 template <typename T>
 void BinaryConv2DBackpropFilterPacked(const ConvShape& s, const uint8_t* packed,
                                       const T* w, const T* dy, Estimator w_est,
                                       double clip, Scale scale, T* dw,
                                       const ParallelFor& parallel_for,
-                                      Impl impl = Impl::kBest);
+                                      Impl impl = Impl::kBest,
+                                      DySplit dy_split = DySplit::kExact);
 
 }  // namespace tapehook
 

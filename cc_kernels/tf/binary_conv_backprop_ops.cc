@@ -10,28 +10,12 @@
 #include "core/pack_input.h"
 #include "core/packed_backprop.h"
 #include "core/plan.h"
-#include "tensorflow/core/framework/common_shape_fns.h"
-#include "tensorflow/core/framework/op.h"
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/shape_inference.h"
-#include "tensorflow/core/framework/tensor.h"
-#include "tensorflow/core/framework/tensor_shape.h"
 #include "tf/conv_attrs.h"
 #include "tf/op_common.h"
 #include "tf/thread_pool.h"
 
 namespace tapehook {
 namespace {
-
-using ::tensorflow::DEVICE_CPU;
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-using ::tensorflow::TensorShapeUtils;
-namespace shape_inference = ::tensorflow::shape_inference;
-namespace errors = ::tensorflow::errors;
 
 REGISTER_OP("TapehookBinaryConv2DBackpropInput")
     .Input("input: T")

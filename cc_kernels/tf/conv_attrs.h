@@ -15,6 +15,35 @@
 
 namespace tapehook {
 
+// the whole binary spec from the forward op alone (also after SavedModel load).
+// clip_f64_bits: the IEEE-754 bits of the spec's clip as a double, for
+// float64 inputs (0: use clip). plan: the implementation tapehook.dispatch
+// chose (core/plan.h: 'portable', 'avx2', 'avx512', 'amx'); '' picks the best
+// this CPU can run, as graphs written before the attr did.
+#define TAPEHOOK_CONV_ATTRS                                                \
+  Attr("T: {half, bfloat16, float, double}")                               \
+      .Attr("strides: list(int)")                                          \
+      .Attr("padding: {'SAME', 'VALID', 'EXPLICIT'}")                      \
+      .Attr("explicit_paddings: list(int) = []")                           \
+      .Attr("data_format: {'NHWC', 'NCHW'} = 'NHWC'")                      \
+      .Attr("dilations: list(int) = [1, 1, 1, 1]")                         \
+      .Attr("scale: {'none', 'mean_abs'} = 'none'")                        \
+      .Attr(                                                               \
+          "weight_estimator: {'ste_sign', 'approx_sign', 'swish_sign'} = " \
+          "'ste_sign'")                                                    \
+      .Attr(                                                               \
+          "activation_estimator: {'none', 'ste_sign', 'approx_sign', "     \
+          "'swish_sign'} = 'none'")                                        \
+      .Attr("clip: float = 1.0")                                           \
+      .Attr("clip_f64_bits: int = 0")                                      \
+      .Attr("plan: string = ''")
+
+// The backprops' attrs: the conv's, plus backprop_dy, how the AMX kernels
+// split dy (core/binary_conv.h DySplit). tapehook.config's backprop_dy sets
+// it where the gradient is built; graphs written before it existed: 'exact'.
+#define TAPEHOOK_BACKPROP_ATTRS \
+  TAPEHOOK_CONV_ATTRS.Attr("backprop_dy: {'exact', 'bf16x2'} = 'exact'")
+
 // Parsed attrs of one op instance.
 struct ConvAttrs {
   std::vector<int32_t> strides, dilations;
@@ -107,6 +136,15 @@ inline absl::Status ParseAttrs(::tensorflow::OpKernelConstruction* ctx,
   return absl::OkStatus();
 }
 
+// Reads the backprops' backprop_dy attr (TAPEHOOK_BACKPROP_ATTRS).
+inline absl::Status ParseDySplit(::tensorflow::OpKernelConstruction* ctx,
+                                 DySplit* out) {
+  std::string value;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("backprop_dy", &value));
+  *out = value == "bf16x2" ? DySplit::kBf16x2 : DySplit::kExact;
+  return absl::OkStatus();
+}
+
 inline absl::Status MakeShape(const ConvAttrs& a,
                               const ::tensorflow::TensorShape& x,
                               const ::tensorflow::TensorShape& w,
@@ -195,7 +233,7 @@ enum CountKind {
   kBackpropFilter = 2,
   kNumKinds
 };
-// Defined once, in binary_conv_ops.cc.
+// Defined once, in c_api.cc.
 void CountDispatch(CountKind kind);
 
 }  // namespace tapehook

@@ -5,8 +5,8 @@
 // convolution (1x1, one input channel or one pixel) must then give the same
 // bits as the fp32 product, for floats that use all 24 significand bits and
 // a wide range of exponents. A two-part split would be off by up to 2^-16:
-// that is the opt-in TAPEHOOK_BACKPROP_DY=bf16x2, checked against its model
-// and bound.
+// that is the opt-in DySplit::kBf16x2 (tapehook.config backprop_dy="bf16x2"),
+// checked against its model and bound.
 //
 //   g++ -std=c++17 -O2 -I. tests/cc/test_amx_conv.cc cc_kernels/core/*.cc
 //       -lpthread -o /tmp/t && /tmp/t
@@ -37,6 +37,7 @@
 namespace {
 
 using tapehook::ConvShape;
+using tapehook::DySplit;
 using tapehook::Estimator;
 
 int g_failures = 0;
@@ -186,13 +187,11 @@ void TestBackpropFilterSinglePixel(std::mt19937_64& rng) {
   }
 }
 
-// TAPEHOOK_BACKPROP_DY=bf16x2: the backprops split dy into two bf16 parts.
+// DySplit::kBf16x2: the backprops split dy into two bf16 parts.
 // Single-product convs (as above) then give, bit for bit, the product of the
 // scalar two-part split (amx_primitives.h Split2; the GEMMs' rows are split
 // by the AVX-512 code), and that is within 2^-16 of the exact product.
 void TestTwoPartDy(std::mt19937_64& rng) {
-  setenv("TAPEHOOK_BACKPROP_DY", "bf16x2", 1);
-  Check(tapehook::amx::DyParts() == 2, "TAPEHOOK_BACKPROP_DY=bf16x2 read");
   auto two_part = [](float t) {
     uint16_t hi, mid;
     tapehook::amx::Split2(t, &hi, &mid);
@@ -209,7 +208,7 @@ void TestTwoPartDy(std::mt19937_64& rng) {
     std::vector<float> dx(x.size(), -7.0f);
     Check(tapehook::amx::BackpropInput(s, x.data(), w.data(), dy.data(),
                                        Estimator::kNone, 1.0, &alpha, dx.data(),
-                                       kSerial),
+                                       kSerial, DySplit::kBf16x2),
           "amx::BackpropInput took the 1x1 conv (bf16x2)");
     for (size_t p = 0; p < dy.size(); ++p) {
       const float t = dy[p] * alpha;  // dX's A is alpha-scaled dy
@@ -229,7 +228,8 @@ void TestTwoPartDy(std::mt19937_64& rng) {
     std::vector<float> dw(w.size(), -7.0f);
     Check(tapehook::amx::BackpropFilter(s, x.data(), w.data(), dy.data(),
                                         Estimator::kSteSign, Estimator::kNone,
-                                        1.0, alpha.data(), dw.data(), kSerial),
+                                        1.0, alpha.data(), dw.data(), kSerial,
+                                        DySplit::kBf16x2),
           "amx::BackpropFilter took the one-pixel conv (bf16x2)");
     for (int c = 0; c < 45; ++c) {
       for (int o = 0; o < 29; ++o) {
@@ -243,8 +243,6 @@ void TestTwoPartDy(std::mt19937_64& rng) {
   }
   Check(bad == 0, "bf16x2 backprops: the two-part split's product, bitwise");
   Check(loose == 0, "bf16x2 backprops: within 2^-16 of the exact product");
-  unsetenv("TAPEHOOK_BACKPROP_DY");
-  Check(tapehook::amx::DyParts() == 3, "unset TAPEHOOK_BACKPROP_DY: exact");
 }
 
 // Packed-input backprops == float-input backprops with act_est = ste_sign,
