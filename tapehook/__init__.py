@@ -49,7 +49,24 @@ __all__ = [
     "WeightClip",
     "layers",
     "optimizers",
+    "distill",
+    "larq",
+    "recipes",
+    "zoo",
 ]
+
+# Submodules with heavier imports (larq-zoo's models, larq's API) load on
+# first use: `tapehook.zoo.QuickNet(...)` works after a plain `import tapehook`.
+_LAZY = ("distill", "larq", "recipes", "zoo")
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return importlib.import_module(f"tapehook.{name}")
+    raise AttributeError(f"module 'tapehook' has no attribute {name!r}")
+
 
 _install()
 # Load (building once if needed) at import, so SavedModels and .keras files
