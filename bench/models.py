@@ -38,7 +38,16 @@ tests/test_bench_models.py checks the parameter counts agree):
   with ``TAPEHOOK_BACKPROP_DY=bf16x2`` (the AMX backprops' dy in two bf16
   parts, 16 significant bits, instead of three exact ones);
 - ``larq``: ``lq.layers.QuantConv2D`` on tf-keras (TF_USE_LEGACY_KERAS=1), run
-  with the python of a side environment (``--larq-python``; skipped when absent).
+  with the python of a side environment (``--larq-python``; skipped when absent);
+- ``pytorch`` / ``pytorch-channels-last`` / ``pytorch-compile``: the same
+  architectures in PyTorch as BNN papers' code writes them (bench/torch_models.py:
+  autograd signs, ``F.conv2d``, ``nn.BatchNorm2d``, ``torch.optim.Adam``), NCHW,
+  channels_last, and NCHW under ``torch.compile``; run with the python of an
+  environment with torch (``--torch-python`` or $TORCH_PYTHON; skipped when
+  absent), as many intra-op threads as TF's default. A training step is
+  forward, cross entropy, backward, Adam step and the latent-weight clip;
+  predict is the forward under eval() and no_grad. No tensor-peak or profile
+  runs (those read TF's allocator and profiler).
 
 Every configuration (model, implementation, estimator, size, batch) runs in
 its own subprocess; a round runs each group's configurations one after the
@@ -66,6 +75,7 @@ import time
 HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 LARQ_PYTHONS = ("/tmp/larqbench/bin/python", "/tmp/larqenv/bin/python")
+TORCH_PYTHONS = ("/tmp/torchenv/bin/python",)
 CLASSES = 1000
 
 # Each model's binary-conv recipe, as larq-zoo trains it. ``estimators``: the
@@ -92,6 +102,9 @@ IMPLS = (
     "tapehook-recompute-early",
     "tapehook-recompute-early-bf16x2",
     "larq",
+    "pytorch",
+    "pytorch-channels-last",
+    "pytorch-compile",
 )
 # "-fused": the model's batch norms tapehook.layers.BatchNormalization, its max
 # pools tapehook.layers.MaxPooling2D (window taps kept for the backward) and its
@@ -121,6 +134,8 @@ RECOMPUTE_IMPLS = ("tapehook-recompute", *PACK_SETTINGS, *RECOMPUTE_BELOW_CHANNE
 FUSED_IMPLS = ("float-fused", "tapehook-fused", *RECOMPUTE_IMPLS)
 TAPEHOOK_IMPLS = ("tapehook", "tapehook-fused", *RECOMPUTE_IMPLS)
 FLOAT_IMPLS = ("float", "float-fused")
+# Run by bench/torch_models.py in a python with torch (no TF there).
+TORCH_IMPLS = ("pytorch", "pytorch-channels-last", "pytorch-compile")
 _PACK_INPUTS = os.environ.get("TAPEHOOK_PACK_INPUTS", "1")  # as the run was started
 _BACKPROP_DY = os.environ.get("TAPEHOOK_BACKPROP_DY", "exact")
 
@@ -584,6 +599,11 @@ def load_xspace(logdir):
 
 
 def child(cfg):
+    if cfg["impl"] in TORCH_IMPLS:
+        import torch_models  # bench/, this script's directory
+
+        result = torch_models.child(cfg, RECIPES[cfg["model"]], CLASSES)
+        return print(json.dumps(result))
     os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
     if cfg.get("tensor_memory"):
         # TF's BFC allocator on the CPU keeps allocation statistics
@@ -695,13 +715,23 @@ def child(cfg):
 # Parent: rounds of subprocesses, summary, JSON, PNG.
 
 
-def larq_python(arg):
+def side_python(arg, candidates):
+    """The python of a side environment: ``arg`` ('none': none), else the
+    first of ``candidates`` that exists."""
     if arg == "none":
         return None
-    for path in [arg] if arg else LARQ_PYTHONS:
+    for path in [arg] if arg else candidates:
         if path and os.access(path, os.X_OK):
             return path
     return None
+
+
+def larq_python(arg):
+    return side_python(arg, LARQ_PYTHONS)
+
+
+def torch_python(arg):
+    return side_python(arg, (os.environ.get("TORCH_PYTHON"), *TORCH_PYTHONS))
 
 
 def run_config(cfg, python):
@@ -728,10 +758,11 @@ def config_label(cfg):
     )
 
 
-def run_reported(cfg, lq_python):
+def run_reported(cfg, lq_python, th_python=None):
     """run_config with the python of the configuration's implementation; a
     failure is printed (and returned, with its error)."""
-    r = run_config(cfg, lq_python if cfg["impl"] == "larq" else sys.executable)
+    python = {"larq": lq_python, **dict.fromkeys(TORCH_IMPLS, th_python)}
+    r = run_config(cfg, python.get(cfg["impl"], sys.executable))
     if "error" in r:
         what = " tensor memory" if cfg.get("tensor_memory") else ""
         print(f"FAILED{what} {config_label(cfg)}:\n{r['error']}", flush=True)
@@ -773,7 +804,7 @@ def summarize(runs, groups):
                 vals = [r[f"{what}_img_s"] for r in rs]
                 row[f"{what}_img_s_best"] = max(vals)
                 row[f"{what}_img_s_median"] = statistics.median(vals)
-                for other in ("larq-style", "larq", *FLOAT_IMPLS):
+                for other in ("larq-style", "larq", *FLOAT_IMPLS, "tapehook", *TORCH_IMPLS):
                     if other == impl:
                         continue
                     ratios = []
@@ -1045,6 +1076,12 @@ def main():
     parser.add_argument(
         "--larq-python", default=None, help="python of a larq 0.14 env; 'none' to skip larq"
     )
+    parser.add_argument(
+        "--torch-python",
+        default=None,
+        help="python of an env with torch (default $TORCH_PYTHON, then "
+        f"{', '.join(TORCH_PYTHONS)}); 'none' to skip the pytorch implementations",
+    )
     parser.add_argument("--profile-steps", type=int, default=3)
     parser.add_argument("--profile-estimators", default="approx_sign,ste_sign")
     parser.add_argument(
@@ -1100,7 +1137,12 @@ def main():
     rounds = 0 if args.tensor_only else args.rounds or (1 if quick else 3)
     estimators = args.estimators or ("own" if quick else "all")
     lq_python = larq_python(args.larq_python)
-    impls = [i for i in args.impls.split(",") if i != "larq" or lq_python]
+    th_python = torch_python(args.torch_python)
+    impls = [
+        i
+        for i in args.impls.split(",")
+        if (i != "larq" or lq_python) and (i not in TORCH_IMPLS or th_python)
+    ]
     groups = []
     for model in args.models.split(","):
         ests = RECIPES[model]["estimators"]
@@ -1127,6 +1169,7 @@ def main():
         "load_start": os.getloadavg(),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "larq_python": lq_python,
+        "torch_python": th_python,
         "quick": quick,
         "rounds": rounds,
         "tensor_repeats": args.tensor_repeats,
@@ -1151,7 +1194,7 @@ def main():
                         predict_steps=predict,
                         round=f"{meta['started']}/{rnd}",
                     )
-                    r = run_reported(cfg, lq_python)
+                    r = run_reported(cfg, lq_python, th_python)
                     runs.append(r)
                     if "error" not in r:
                         print(
@@ -1167,7 +1210,7 @@ def main():
         seen = set()
         for model, size, _, configs in groups:
             for impl, est in configs:
-                if (model, size, impl, est) in seen:
+                if (model, size, impl, est) in seen or impl in TORCH_IMPLS:
                     continue
                 seen.add((model, size, impl, est))
                 for batch in [1, max(batches)] * args.tensor_repeats:

@@ -347,3 +347,108 @@ def test_peak_tensors_replay_counts_requested_and_chunk_bytes():
     assert requested == 430
     assert chunks == 520
     assert sorted(alive) == [(10, 90, "d", "[10]"), (50, 50, "b", "[50]"), (400, 410, "c", "[400]")]
+
+
+# Odd sizes at every stride-2 layer, where PyTorch's symmetric padding and
+# TF's "same" padding pick the same pixels (at even sizes they differ by one).
+TORCH_SIZES = {"birealnet18": 33, "quicknet_small": 61}
+# Runs in the torch python (no TF there): the torch model of bench/models.py's
+# recipe with the Keras weights, its eval forward (softmax) and the
+# gradients of one training-mode cross entropy, in Keras's layouts.
+_TORCH_SIDE = """
+import sys, numpy as np, torch, torch.nn.functional as F
+sys.path.insert(0, sys.argv[1])
+import models, torch_models
+d = np.load(sys.argv[2], allow_pickle=True)
+name, est = str(d["model"]), str(d["estimator"])
+net = torch_models.build(name, est, models.RECIPES[name], classes=int(d["classes"]),
+                         **d["kwargs"].item())
+weights = [d[f"w{i}"] for i in range(int(d["count"]))]
+torch_models.load_keras_weights(net, weights)
+x = torch.from_numpy(d["x"]).permute(0, 3, 1, 2).contiguous()
+net.eval()
+with torch.no_grad():
+    probs = F.softmax(net(x), dim=1).numpy()
+net.train()
+F.cross_entropy(net(x), torch.from_numpy(d["y"])).backward()
+grads = {}
+for i, (t, layout) in enumerate(torch_models.keras_weights(net)):
+    if t.grad is not None:
+        back = np.argsort(torch_models._FROM_KERAS[layout])
+        grads[f"g{i}"] = t.grad.numpy().transpose(back)
+np.savez(sys.argv[3], probs=probs, params=torch_models.count_params(net), **grads)
+"""
+
+
+@pytest.mark.parametrize(
+    "model,estimator",
+    [("birealnet18", "approx_sign"), ("birealnet18", "ste_sign"), ("quicknet_small", "ste_sign")],
+)
+def test_pytorch_model_matches_keras_larq_style(model, estimator, tmp_path):
+    """bench/torch_models.py's model (the pytorch* implementations) with the
+    larq-style Keras model's weights: the same parameter count, the same
+    eval-mode output, and the same gradients of a training-mode cross entropy
+    for every trainable weight (the sign estimators' pseudo-gradients, alpha a
+    constant in the backward, BN on batch statistics)."""
+    import subprocess
+
+    python = bench_models.torch_python(None)
+    if python is None:
+        pytest.skip(
+            "no python with torch (TORCH_PYTHON, or /tmp/torchenv/bin/python); CI installs no torch"
+        )
+    size = TORCH_SIZES[model]
+    keras.utils.set_random_seed(0)
+    net = bench_models.build(
+        keras, model, "larq-style", estimator, size, classes=CLASSES, **TINY[model]
+    )
+    # Batch norms with moving statistics away from (0, 1), so eval mode uses them.
+    rng = np.random.default_rng(0)
+    weights = []
+    for v in net.weights:
+        a = v.numpy()
+        if "moving_mean" in v.path:
+            a = rng.normal(0, 0.3, a.shape).astype(a.dtype)
+        elif "moving_variance" in v.path:
+            a = rng.uniform(0.5, 2.0, a.shape).astype(a.dtype)
+        weights.append(a)
+    net.set_weights(weights)
+    x = rng.standard_normal((2, size, size, 3)).astype(np.float32)
+    y = np.array([1, 7])
+    case, out = tmp_path / "case.npz", tmp_path / "out.npz"
+    np.savez(
+        case,
+        model=model,
+        estimator=estimator,
+        classes=CLASSES,
+        kwargs=np.array(TINY[model], dtype=object),
+        x=x,
+        y=y,
+        count=len(weights),
+        **{f"w{i}": w for i, w in enumerate(weights)},
+    )
+    run = subprocess.run(
+        [python, "-c", _TORCH_SIDE, str(_PATH.parent), str(case), str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    theirs = np.load(out)
+
+    assert int(theirs["params"]) == net.count_params()
+    np.testing.assert_allclose(
+        theirs["probs"], net(x, training=False).numpy(), rtol=1e-4, atol=1e-6
+    )
+    with tf.GradientTape() as tape:
+        loss = keras.losses.sparse_categorical_crossentropy(y, net(x, training=True))
+        loss = tf.reduce_mean(loss)
+    grads = tape.gradient(loss, net.weights)
+    trainable = {id(v) for v in net.trainable_weights}
+    checked = 0
+    for i, (v, g) in enumerate(zip(net.weights, grads)):
+        if id(v) not in trainable:
+            assert f"g{i}" not in theirs, v.path
+            continue
+        np.testing.assert_allclose(theirs[f"g{i}"], g.numpy(), rtol=2e-3, atol=2e-5, err_msg=v.path)
+        checked += 1
+    assert checked == len(net.trainable_weights)
