@@ -24,7 +24,7 @@ from tapehook.scope import binary_scope
 from tapehook.spec import BinarySpec
 from tapehook.summary import ModelSummary, summary
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "BinarySpec",
