@@ -221,7 +221,8 @@ def source_variable(obj):
 def _attribute(tensor, name):
     """``getattr(tensor, name, None)`` for the attributes tapehook sets on
     tensors, from the instance dict: a miss through tf.Tensor.__getattr__
-    costs ~1 us, and every op of a process with marks asks."""
+    raises and catches an AttributeError, and every op of a process with marks
+    asks (bench/overhead.py; docs/performance.md)."""
     try:
         return tensor.__dict__.get(name)
     except AttributeError:  # no instance dict: nothing was set on it

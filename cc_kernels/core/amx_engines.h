@@ -158,9 +158,9 @@ TAPEHOOK_AMX inline void ShiftedGemmUnits(const ShiftedGemm& g, int64_t u0,
 
 // o pairs whose B (taps * kp / 32 tile pairs of 2 KiB each) fill about 1.5
 // MiB of a 2 MiB L2, next to A's window of ~0.5 MiB. Each group splits dy's
-// rows again; at 1 MiB 14x14x256 took two groups, and its dX ran 1.20x
-// slower (bench/results/backprops_amx_ogroup_ab_*.json; 7x7x256 1.11x,
-// 2 MiB lost again at 7x7x512).
+// rows again, so a smaller bound costs mid-size images a second group and a
+// larger one spills L2 (set by bench/backprops.py --plans amx;
+// docs/performance.md).
 inline int64_t OGroup(int64_t o_pairs, int64_t taps, int64_t kp) {
   const int64_t per_pair = taps * (kp / 32) * 2048;
   return std::max<int64_t>(1, std::min(o_pairs, (int64_t{3} << 19) / per_pair));

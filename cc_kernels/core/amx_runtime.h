@@ -40,11 +40,9 @@ namespace amx {
 // and handed out again best-fit among those at most twice the request (a
 // larger one would be lost to the requests it fits); at most kPoolBytes stay
 // cached. Requests round up to whole 4 KiB pages. The pool keeps each
-// block's own size, so Give takes only the pointer. (Before, a block recorded
-// the size of its last request, so big blocks shrank to small ones' sizes, big
-// requests allocated afresh and faulted their pages in every step, and the
-// cache outgrew its bound: Bi-Real-Net-18 trained ~40 % slower at 224 px, 26
-// against 44 img/s.)
+// block's own size, so Give takes only the pointer: a block that recorded its
+// last request's size would shrink to small requests, and big requests would
+// then allocate and fault their pages in every step.
 class ScratchPool {
  public:
   static constexpr size_t kPoolBytes = size_t{512} << 20;

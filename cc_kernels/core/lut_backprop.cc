@@ -93,13 +93,13 @@ inline int BlockLog2(int64_t blocks16) {
   return blocks16 % 4 == 0 ? 2 : blocks16 % 2 == 0 ? 1 : 0;
 }
 
-// Bytes of tables per dX job (L2-sized: 384 KB measured best).
+// Bytes of tables per dX job: L2-sized. These blocking constants were set by
+// the prototype's sweeps (bench/lut_backprop/REPORT.md).
 constexpr int64_t kTableBudget = 384 * 1024;
-// Output-channel groups (of 4) per dX pass: 32 measured better than
-// L1-sized passes of 4..16.
+// Output-channel groups (of 4) per dX pass: more than an L1-sized pass.
 constexpr int64_t kDxGroupsPerPass = 32;
-// dW: position groups per K chunk (192 measured better than L1-sized ~53)
-// and output channels per slice.
+// dW: position groups per K chunk (more than L1-sized) and output channels
+// per slice.
 constexpr int64_t kDwChunk = 192;
 constexpr int64_t kDwSlice = 64;
 

@@ -6,8 +6,8 @@
 // j ? -g_i : +g_i), j < 16, fits one zmm; a vpermps with a zmm of 4-bit
 // indices (the signs of 4 operands for each of 16 lanes) then gives 16 lanes
 // their signed sums of 4 products: 64 multiply-adds per vpermps + vaddps,
-// against 16 per FMA. Measured 2.2-3x (dX) and 1.9-2.5x (dW) faster than
-// TF's oneDNN at Bi-Real-Net shapes on Zen 4 (bench/lut_backprop/REPORT.md).
+// against 16 per FMA (timings against oneDNN: bench/lut_backprop/REPORT.md
+// and docs/performance.md).
 //
 // dX: the tables hold alpha[co] * dy over 4 output channels, the indices
 // sign(W) (built per call from the float W); input positions are grouped by

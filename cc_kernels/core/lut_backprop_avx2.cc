@@ -30,8 +30,8 @@ using lut_common::Scratch;
 using lut_common::TapsOf;
 
 // Position groups per K chunk: a tile's tables (at most 3 x 512 bytes a
-// group) stay in L1 while every tap and input channel reads them (16
-// measured best of 8 / 16 / 24 / 32 at Bi-Real-Net's shapes on a Zen 2).
+// group) stay in L1 while every tap and input channel reads them (chosen
+// among 8 / 16 / 24 / 32 by bench/backprops.py --plans avx2).
 constexpr int64_t kChunk = 16;
 // A table: 16 entries of 8 output channels (one 8-lane output channel
 // block), 512 bytes. A tile spans at most 3 blocks (12 accumulators).

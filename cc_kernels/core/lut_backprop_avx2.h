@@ -10,15 +10,13 @@
 // once per call), so one vaddps with its folded table load does 32
 // multiply-adds. A tile of 4 input channels x 3 output channel blocks spends
 // 17 loads per 12 adds. The tables depend on dy alone: every tap and input
-// channel reads them, and the sums come out in HWIO order. Single thread on
-// a Zen 2 core, 3x3 convs at batch 32, 28x28x64 to 4x4x512: 1.9-2.0x the
-// previous engine here (a ymm vpermps over 8-entry tables of 3 images, which
-// did 24 multiply-adds per permute). Where 4 images leave slots empty
-// (batch 1 to 3), a table sums 4 consecutive output columns of one image
-// instead, whichever makes fewer tables (batch 1: 2.1-3.4x the image
-// grouping at the models' shapes, 1.3x at 4x4). Zero padding is counted as +1
-// and its sum of dy subtracted afterwards; taps that never meet the input are
-// exact zeros.
+// channel reads them, and the sums come out in HWIO order. (A ymm vpermps
+// over 8-entry tables of 3 images does only 24 multiply-adds per permute.)
+// Where 4 images leave slots empty (batch 1 to 3), a table sums 4
+// consecutive output columns of one image instead, whichever makes fewer
+// tables (bench/backprops.py --plans avx2; docs/performance.md). Zero padding
+// is counted as +1 and its sum of dy subtracted afterwards; taps that never
+// meet the input are exact zeros.
 //
 // Every result is a fixed-order float sum per output element, independent of
 // how ParallelFor shards the work (shards are output-channel ranges). Any
