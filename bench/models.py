@@ -452,7 +452,11 @@ def build(K, model, impl, estimator, size, **kwargs):
         os.environ["TAPEHOOK_PACK_INPUTS"] = PACK_SETTINGS.get(impl, _PACK_INPUTS)
         os.environ["TAPEHOOK_BACKPROP_DY"] = BACKPROP_DY_SETTINGS.get(impl, _BACKPROP_DY)
 
-        tapehook.binarize(net, include="binary*", **tapehook_spec(model, estimator))
+        # fast_layers=False: each configuration's layers are the ones it names
+        # (the plain "tapehook" one keeps Keras's batch norm, pool, add and Adam).
+        tapehook.binarize(
+            net, include="binary*", fast_layers=False, **tapehook_spec(model, estimator)
+        )
     return net
 
 

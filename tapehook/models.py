@@ -8,10 +8,19 @@ model, the policy decides its spec once (``layer._tapehook_layer_spec``), and
 its kernel is marked as soon as it exists - before the conv runs, so even the
 first traced step is binary. The layer spec is also written into the layer's
 Keras config, so ``.keras`` files load back binary.
+
+Fast layers: in a model tapehook is in charge of (binarized, or holding a
+layer with a binary spec or a tapehook.larq layer), Keras's own
+BatchNormalization, MaxPooling2D and Add layers become tapehook.layers' (their
+instance's class is swapped, at binarize time or at their first call under
+the model), and the model's Keras Adam becomes tapehook.optimizers.Adam:
+docs/design.md says why and what differs; ``fast_layers`` turns it off.
 """
 
 import fnmatch
 import functools
+import inspect
+import sys
 import threading
 
 import tensorflow as tf
@@ -23,6 +32,13 @@ from tapehook.spec import BinarySpec
 _POLICY = "_tapehook_policy"
 _LAYER_SPEC = "_tapehook_layer_spec"
 _DECIDED = "_tapehook_decided"
+_FAST_DECIDED = "_tapehook_fast_decided"
+_STOCK_CLASS = "_tapehook_stock_class"  # what a swapped layer / optimizer was
+_MARKED_MODEL = "_tapehook_marked_model"
+# Batch norms of fewer channels recompute their input in the backward: the
+# early stages, whose outputs are the largest a step keeps, at about the same
+# time per step (docs/models.md, "recompute-early").
+RECOMPUTE_BELOW_CHANNELS = 256
 CONFIG_KEY = "tapehook_binary"
 
 _local = threading.local()
@@ -70,11 +86,12 @@ def _matches(patterns, layer) -> bool:
 class Policy:
     """Which layers of one model are binary, and with which spec."""
 
-    def __init__(self, spec: BinarySpec, include, exclude, first_and_last_float):
+    def __init__(self, spec: BinarySpec, include, exclude, first_and_last_float, fast_layers=None):
         marks.arm()  # layers under this policy decide their spec when called
         self.spec = spec
         self.include, self.exclude = include, exclude
         self.first_and_last_float = first_and_last_float
+        self.fast_layers = fast_layers  # None: tapehook.config's fast_layers
 
     def edge_layers(self, model):
         """ids of the first binarizable layer and of the model's last layer.
@@ -128,11 +145,164 @@ def _mark_layer(layer, spec, replace=False):
             marks.set_mark(kernel, spec)
 
 
-def before_layer_call(layer):
-    """Decides a layer's spec under the nearest binarized model on the stack."""
+@functools.cache
+def _fast_classes():
+    """Keras's layer classes and optimizer -> tapehook's (exact classes only:
+    a user's subclass may override what tapehook's replaces)."""
+    keras = _keras()
+    from tapehook import layers, optimizers
+
+    return {
+        keras.layers.BatchNormalization: layers.BatchNormalization,
+        keras.layers.MaxPooling2D: layers.MaxPooling2D,
+        keras.layers.Add: layers.Add,
+        keras.optimizers.Adam: optimizers.Adam,
+    }
+
+
+def fast_layers_on(choice=None) -> bool:
+    """A model's ``fast_layers`` (True / False), or tapehook.config's if None."""
+    if choice is None:
+        from tapehook.config import config
+
+        return config.get("fast_layers") == "1"
+    return choice
+
+
+def _refresh_call_signature(layer):
+    """Keras caches ``call``'s signature at __init__ (whether to pass
+    ``training`` / ``mask``); a swapped class's call may take more (tapehook's
+    MaxPooling2D takes ``training``)."""
+    signature = inspect.signature(layer.call)
+    names = [p.name for p in signature.parameters.values()]
+    cached = {
+        "_call_signature": signature,
+        "call_signature_parameters": names,
+        "_call_has_training_arg": "training" in names,
+        "_call_has_mask_arg": "mask" in names,
+    }
+    if isinstance(getattr(layer, "_call_has_context_arg", None), dict):
+        cached["_call_has_context_arg"] = {a: a in names for a in layer._call_context_args}
+    for name, value in cached.items():
+        if hasattr(layer, name):
+            setattr(layer, name, value)
+
+
+def _channels(layer, inputs):
+    """A batch norm's channel count, from its weights or the call's input."""
+    if layer.built and getattr(layer, "moving_mean", None) is not None:
+        return layer.moving_mean.shape[-1]
+    shape = getattr(inputs, "shape", None)
+    if shape is None or len(shape) == 0:
+        return None
+    return shape[layer.axis]
+
+
+def _make_fast(obj, inputs=None):
+    """Swaps a Keras BatchNormalization / MaxPooling2D / Add layer or Adam
+    optimizer for tapehook's subclass (same weights, arguments and state;
+    only the computation differs) with the defaults that equal Keras's
+    results to float rounding."""
+    fast = _fast_classes()[type(obj)]
+    _set(obj, _STOCK_CLASS, type(obj))
+    _set(obj, "__class__", fast)
+    from tapehook import layers
+
+    if fast is layers.BatchNormalization:
+        channels = _channels(obj, inputs)
+        obj.fused = None
+        obj.recompute = channels is not None and channels < RECOMPUTE_BELOW_CHANNELS
+    elif fast is layers.MaxPooling2D:
+        # fuse_relu stays off: it leaves no gradient for the ReLU's output.
+        obj.save_argmax, obj.fuse_relu = True, False
+    if isinstance(obj, _keras().Layer):
+        _refresh_call_signature(obj)
+
+
+def _make_stock(obj):
+    """Undoes _make_fast: the object is Keras's class again, as it was."""
+    _set(obj, "__class__", vars(obj).pop(_STOCK_CLASS))
+    for name in ("fused", "recompute", "save_argmax", "fuse_relu"):
+        vars(obj).pop(name, None)
+    if isinstance(obj, _keras().Layer):
+        _refresh_call_signature(obj)
+
+
+def _set_fast(obj, on, inputs=None):
+    """Makes a stock layer / optimizer fast (``on``) or a swapped one stock again."""
+    if on and type(obj) in _fast_classes():
+        _make_fast(obj, inputs)
+    elif not on and _STOCK_CLASS in vars(obj):
+        _make_stock(obj)
+
+
+def _optimizers_of(model):
+    optimizer = getattr(model, "optimizer", None)
+    inner = getattr(optimizer, "inner_optimizer", None)  # LossScaleOptimizer's
+    return [o for o in (optimizer, inner) if o is not None]
+
+
+def _tapehook_model(model) -> bool:
+    """Whether tapehook is in charge of a Keras model without a policy: it
+    holds a layer with a binary spec (a loaded binarized model), a marked
+    kernel or a tapehook.larq layer. Decided once, at the model's first call."""
+    decided = vars(model).get(_MARKED_MODEL)
+    if decided is None:
+        larq = sys.modules.get("tapehook.larq.layers")
+        quant = larq._QuantMixin if larq is not None else ()
+        decided = any(
+            getattr(l, _LAYER_SPEC, None) is not None
+            or isinstance(l, quant)
+            or (
+                getattr(l, "built", False)
+                and getattr(l, "kernel", None) is not None
+                and marks.binary_spec_of(l.kernel) is not None
+            )
+            for l in model._flatten_layers(include_self=False)
+        )
+        _set(model, _MARKED_MODEL, decided)
+    return decided
+
+
+def _fast_choice(owners):
+    """fast_layers (True / False) of the nearest model in charge among
+    ``owners`` (innermost last), or None where tapehook is in charge of none."""
+    keras = _keras()
+    for owner in reversed(owners):
+        policy = getattr(owner, _POLICY, None)
+        if policy is not None:
+            return fast_layers_on(policy.fast_layers)
+        if isinstance(owner, keras.Model) and _tapehook_model(owner):
+            return fast_layers_on()
+    return None
+
+
+def _decide_fast(layer, inputs):
+    """At a call: a stock BatchNormalization / MaxPooling2D / Add layer
+    under a model tapehook is in charge of becomes tapehook's (once), and
+    such a model's Keras Adam becomes tapehook's."""
+    if type(layer) in _fast_classes() and not getattr(layer, _FAST_DECIDED, False):
+        on = _fast_choice(layer_stack()[:-1])
+        if on is not None:
+            _set(layer, _FAST_DECIDED, True)
+            _set_fast(layer, on, inputs)
+    elif isinstance(layer, _keras().Model):
+        optimizers = _optimizers_of(layer)
+        if optimizers and any(type(o) in _fast_classes() for o in optimizers):
+            on = _fast_choice([layer])
+            for optimizer in optimizers:
+                if on and not getattr(optimizer, _FAST_DECIDED, False):
+                    _set(optimizer, _FAST_DECIDED, True)
+                    _set_fast(optimizer, True)
+
+
+def before_layer_call(layer, inputs=None):
+    """Decides a layer's spec under the nearest binarized model on the stack
+    (and whether it runs tapehook's fast layer: _decide_fast)."""
     policy = getattr(layer, _POLICY, None)
     if policy is not None and policy.first_and_last_float:
         policy.edge_layers(layer)  # fixed before call() creates lazy layers
+    _decide_fast(layer, inputs)
     if getattr(layer, _DECIDED, False) or not is_binarizable(layer):
         return
     for owner in reversed(layer_stack()):
@@ -246,7 +416,16 @@ def _module_owns(module, policy, var) -> bool:
     )
 
 
-def binarize(target=None, /, *, include=None, exclude=None, first_and_last_float=False, **spec):
+def binarize(
+    target=None,
+    /,
+    *,
+    include=None,
+    exclude=None,
+    first_and_last_float=False,
+    fast_layers=None,
+    **spec,
+):
     """Binarize the Conv1D / Conv2D / DepthwiseConv2D / Dense kernels of a model.
 
     As a decorator on a keras.Model (or tf.Module) subclass, or called on an
@@ -254,8 +433,19 @@ def binarize(target=None, /, *, include=None, exclude=None, first_and_last_float
     layer-name glob patterns, a list of them, or a predicate on the layer.
     ``first_and_last_float=True`` keeps the first conv layer and the model's
     last layer in float, the usual BNN recipe. ``spec``: BinarySpec fields.
+
+    ``fast_layers``: whether the model's Keras ``BatchNormalization``,
+    ``MaxPooling2D``, ``Add`` layers and ``Adam`` optimizer run tapehook's
+    implementations (tapehook.layers, tapehook.optimizers; the same results to
+    float rounding); None (default) takes ``tapehook.config``'s
+    ``fast_layers`` (on unless set off).
     """
-    policy = Policy(marks.make_spec(spec), include, exclude, first_and_last_float)
+    if fast_layers not in (None, True, False):
+        raise TapehookError(
+            f"binarize(fast_layers={fast_layers!r}): fast_layers is True, False or None "
+            "(tapehook.config's fast_layers)"
+        )
+    policy = Policy(marks.make_spec(spec), include, exclude, first_and_last_float, fast_layers)
     if target is None:
         return lambda t: _binarize_target(t, policy)
     return _binarize_target(target, policy)
@@ -267,11 +457,20 @@ def _binarize_target(target, policy):
     keras = _keras()
     if isinstance(target, keras.Layer):
         _set(target, _POLICY, policy)
+        fast = fast_layers_on(policy.fast_layers)
         for layer in target._flatten_layers(include_self=False):
             if is_binarizable(layer):
                 # Called on a model, binarize states the model's spec now: it
                 # replaces earlier marks (stage 2 of a two-stage recipe).
                 _mark_layer(layer, policy.decide(layer, target), replace=True)
+            elif layer.built or not fast:
+                # Built layers now (a batch norm's channels are known); the
+                # others at their first call under the model.
+                _set(layer, _FAST_DECIDED, True)
+                _set_fast(layer, fast)
+        for optimizer in _optimizers_of(target):
+            _set(optimizer, _FAST_DECIDED, True)
+            _set_fast(optimizer, fast)
         return target
     if isinstance(target, tf.Module):
         for var in target.variables:

@@ -267,7 +267,7 @@ def _tracked_layer_call(wrapped, instance, args, kwargs):
     stack = models.layer_stack()
     stack.append(instance)
     try:
-        models.before_layer_call(instance)
+        models.before_layer_call(instance, args[0] if args else None)
         outputs = wrapped(*args, **kwargs)
         models.after_layer_call(instance, outputs)
         return outputs

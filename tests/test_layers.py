@@ -284,7 +284,8 @@ def _conv_bn(
     z = conv(inputs)
     y = norm(**bn)(z)
     net = keras.Model(inputs, keras.layers.Add()([y, z if read_twice else y]))
-    tapehook.binarize(net, include="binary", **(spec or dict(activations=True, scale="mean_abs")))
+    spec = spec or dict(activations=True, scale="mean_abs")
+    tapehook.binarize(net, include="binary", fast_layers=False, **spec)  # Keras's layers stay
     rng = np.random.default_rng(11)
     layer = net.layers[2]
     for v in layer.weights:  # moving statistics and gamma / beta off their initial values
@@ -564,7 +565,7 @@ def test_deploy_graphs_keep_their_batch_norms_on_binary_convs(tmp_path):
         z = BatchNormalization()(keras.layers.Conv2D(70, 1, use_bias=False, name="stem")(inputs))
         y = norm()(keras.layers.Conv2D(40, 3, use_bias=False, name="binary")(z))
         net = keras.Model(inputs, y)
-        tapehook.binarize(net, include="binary", activations=True)
+        tapehook.binarize(net, include="binary", activations=True, fast_layers=False)
         report = export_tflite(net, tmp_path / f"{norm.__module__}.tflite")
         np.testing.assert_allclose(
             run_tflite(tmp_path / f"{norm.__module__}.tflite", x),

@@ -57,7 +57,8 @@ def _block(
     if read_twice:  # another layer reads the batch norm's output too
         out = keras.layers.Concatenate()([out, y])
     net = keras.Model(inputs, out)
-    tapehook.binarize(net, include="binary", **SPECS[spec])
+    # fast_layers=False: the references keep Keras's own batch norm and Add.
+    tapehook.binarize(net, include="binary", fast_layers=False, **SPECS[spec])
     rng = np.random.default_rng(11)
     for v in net.get_layer("bn").weights:  # off their initial values
         v.assign(
