@@ -15,8 +15,8 @@
 
 The losses compute in their dtype (Keras's floatx, float32 by default;
 ``dtype="float64"`` for float64), float16 logits and maps cast up, so
-mixed_float16 students and teachers can be distilled. docs/recipes.md
-("2021+ recipes") has the math.
+mixed_float16 students and teachers can be distilled. Each loss's
+docstring has its math; docs/recipes.md shows a Distiller in use.
 """
 
 import keras

@@ -1,8 +1,8 @@
 """Learnable binarizers and annealed estimators of the 2020-2021 recipes.
 
 Keras layers, in float32 (float64 for float64 inputs) whatever the dtype
-policy, cast back to the layer's compute dtype (docs/recipes.md, "2021+
-recipes", has the math):
+policy, cast back to the layer's compute dtype (each one's docstring has
+its math; docs/recipes.md shows them in a model):
 
 - ``RSign`` (ReActNet): sign(x - beta), beta learned per input channel.
 - ``RPReLU`` (ReActNet): PReLU(x - gamma; slope) + zeta, per channel.
