@@ -405,23 +405,24 @@ def backprops_table(data):
 
 
 def backward_route_table(data):
-    """Median speedup of the auto route's whole backward over stock, per shape, at the
-    smallest and largest batch."""
+    """The auto route's whole backward over stock (median of the runs), lowest to highest
+    over the shapes, per input estimator at the smallest and largest batch."""
     batches = sorted({r["batch"] for r in data["rows"]})
     batches = [batches[0], batches[-1]]
-    estimators = list(dict.fromkeys(r["estimator"] for r in data["rows"]))
-    columns = [(e, b) for e in estimators for b in batches]
-    lines = [
-        "| shape | " + " | ".join(f"{e}, batch {b}" for e, b in columns) + " |",
-        "|---|" + "---|" * len(columns),
-    ]
-    by = {(r["shape"], r["estimator"], r["batch"]): r["x"] for r in data["rows"]}
-    for shape in dict.fromkeys(r["shape"] for r in data["rows"]):
-        cells = [
-            _x(sorted(by[key])[len(by[key]) // 2]) if key in by else "-"
-            for key in ((shape, e, b) for e, b in columns)
+    lines = ["| input estimator | " + " | ".join(f"batch {b}" for b in batches) + " |"]
+    lines.append("|---|" + "---|" * len(batches))
+    for e in dict.fromkeys(r["estimator"] for r in data["rows"]):
+        spans = [
+            _span(
+                [
+                    sorted(r["x"])[len(r["x"]) // 2]
+                    for r in data["rows"]
+                    if r["estimator"] == e and r["batch"] == b
+                ]
+            )
+            for b in batches
         ]
-        lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+        lines.append(f"| {e} | " + " | ".join(spans) + " |")
     return lines
 
 
@@ -532,7 +533,8 @@ OTHER_BENCHMARKS = [
     (
         "backward_route.json",
         "A binary conv's whole backward: the auto route against stock",
-        "Median x = stock route time / auto route time (the file also has batches in between).",
+        "x = stock route time / auto route time over Bi-Real-Net-18 and QuickNet-small "
+        "shapes (per shape and batch in the file).",
         "python bench/backward_route.py",
         backward_route_table,
     ),
