@@ -630,6 +630,32 @@ MEMORY_RUNS = [
     ),
 ]
 
+# Whole models against PyTorch: (file, its command line).
+PYTORCH_RUN = (
+    "models_pytorch_112px.json",
+    "python bench/models.py --models birealnet18 --sizes 112 --batches 32 --estimators own "
+    "--impls pytorch,pytorch-channels-last,pytorch-compile,larq,tapehook --rounds 2 "
+    "--no-profile --no-tensor-memory --torch-python TORCH_ENV/bin/python "
+    "--larq-python LARQ_ENV/bin/python --out bench/results/models_pytorch_112px.json",
+)
+
+MODELS_PYTORCH = """\
+### Against PyTorch
+
+The same Bi-Real-Net-18 in PyTorch as BNN papers' code writes it
+(`bench/torch_models.py`): signs as autograd functions with their
+pseudo-gradients, `F.conv2d` on sign(x) and mean|W| * sign(W), `nn.BatchNorm2d`,
+`torch.optim.Adam`, the latent kernels clipped after each step;
+`tests/test_bench_models.py` checks its outputs and gradients against the
+larq-style Keras model's. pytorch: NCHW; pytorch-channels-last; pytorch-compile:
+NCHW under `torch.compile` (inductor, C++ on the CPU). PyTorch uses as many
+intra-op threads as TF. tapehook: the stock Keras 3 model binarized
+(`tapehook.binarize`, Keras's batch norm and Adam). `TORCH_ENV` is a virtual
+environment with torch (the CPU build). img/s best is of the fastest round.
+PyTorch's OpenMP threads spin while they wait for work, which costs it most
+when other processes share the cores (as in this run).
+"""
+
 MODELS_INTRO = """\
 # Whole models
 
@@ -706,6 +732,22 @@ def models_memory_table(data):
     return lines
 
 
+def models_pytorch_table(data):
+    lines = [
+        "| impl | train img/s best / median | train x tapehook (med) "
+        "| predict img/s best / median | predict x tapehook (med) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        lines.append(
+            f"| {r['impl']} | {r['train_img_s_best']:.1f} / {r['train_img_s_median']:.1f} "
+            f"| {_x(r.get('train_x_tapehook_median'))} "
+            f"| {r['predict_img_s_best']:.1f} / {r['predict_img_s_median']:.1f} "
+            f"| {_x(r.get('predict_x_tapehook_median'))} |"
+        )
+    return lines
+
+
 def models_doc():
     out = [MODELS_INTRO, "## Speed", ""]
     for name, title, command in MODEL_RUNS:
@@ -714,6 +756,19 @@ def models_doc():
         out += ["```bash", command, "```", ""]
         out += models_speed_table(data)
         out.append("")
+    name, command = PYTORCH_RUN
+    data = load(RESULTS / name)
+    load_avg = f"{data['load_start'][0]:.1f} at the start, {data['load_end'][0]:.1f} at the end"
+    out += [
+        MODELS_PYTORCH,
+        f"`bench/results/{name}`. {_run_line(data)} Measured while other "
+        f"work ran on the machine (load average {load_avg}): compare rows of this "
+        "table with each other, not with the tables above. Rerun:",
+        "",
+    ]
+    out += ["```bash", command, "```", ""]
+    out += models_pytorch_table(data)
+    out.append("")
     out.append(MODELS_MEMORY)
     for name, command in MEMORY_RUNS:
         data = load(RESULTS / name)
