@@ -1,0 +1,407 @@
+#include "lce_bconv.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "bitpacked.h"
+#include "conv_util.h"
+#include "plan.h"
+
+namespace tapehook {
+namespace lce {
+
+namespace {
+
+inline float* float_out(void* output) { return static_cast<float*>(output); }
+
+template <typename T, typename Less>
+void PackRows(const T* x, int64_t rows, int64_t channels, int32_t* out,
+              const ParallelFor& parallel_for, Less negative) {
+  const int64_t words = PackedWords(channels);
+  parallel_for(rows, channels + 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * channels;
+      for (int64_t w = 0; w < words; ++w) {
+        uint32_t bits = 0;
+        const int64_t n = std::min<int64_t>(32, channels - w * 32);
+        for (int64_t b = 0; b < n; ++b) {
+          bits |= static_cast<uint32_t>(negative(xr[w * 32 + b])) << b;
+        }
+        out[r * words + w] = static_cast<int32_t>(bits);
+      }
+    }
+  });
+}
+
+template <typename T>
+void UnpackRows(const int32_t* in, int64_t rows, int64_t channels, T zero_bit,
+                T one_bit, T* out, const ParallelFor& parallel_for) {
+  const int64_t words = PackedWords(channels);
+  parallel_for(rows, channels + 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t c = 0; c < channels; ++c) {
+        const uint32_t word = static_cast<uint32_t>(in[r * words + c / 32]);
+        out[r * channels + c] = (word >> (c % 32) & 1u) ? one_bit : zero_bit;
+      }
+    }
+  });
+}
+
+// TFLite's CalculateActivationRange for int32 outputs.
+void ActivationRange(Activation a, int32_t* lo, int32_t* hi) {
+  *lo = std::numeric_limits<int32_t>::lowest();
+  *hi = std::numeric_limits<int32_t>::max();
+  if (a == Activation::kRelu) *lo = 0;
+  if (a == Activation::kRelu6) *lo = 0, *hi = 6;
+  if (a == Activation::kReluN1To1) *lo = -1, *hi = 1;
+}
+
+}  // namespace
+
+void PackSigns(const float* x, int64_t rows, int64_t channels, int32_t* out,
+               const ParallelFor& parallel_for) {
+  PackRows(x, rows, channels, out, parallel_for,
+           [](float v) { return v < 0.0f; });
+}
+
+void PackSignsInt8(const int8_t* x, int64_t rows, int64_t channels,
+                   int32_t zero_point, int32_t* out,
+                   const ParallelFor& parallel_for) {
+  PackRows(x, rows, channels, out, parallel_for,
+           [zero_point](int8_t v) { return int32_t{v} < zero_point; });
+}
+
+void UnpackSigns(const int32_t* in, int64_t rows, int64_t channels, float* out,
+                 const ParallelFor& parallel_for) {
+  UnpackRows(in, rows, channels, 1.0f, -1.0f, out, parallel_for);
+}
+
+void UnpackSignsInt8(const int32_t* in, int64_t rows, int64_t channels,
+                     int8_t zero_bit, int8_t one_bit, int8_t* out,
+                     const ParallelFor& parallel_for) {
+  UnpackRows(in, rows, channels, zero_bit, one_bit, out, parallel_for);
+}
+
+// Each group is one core conv of in_c = channels_in / groups over its own
+// words of the input; one-padding is written into the input (0 bits), so
+// the core sees VALID, and zero padding is the core's own.
+struct BConv2D::State {
+  BConvAttrs attrs;
+  OutputKind kind = OutputKind::kFloat;
+  int64_t groups = 1, in_words = 0, group_words = 0;
+  int64_t out_c = 0, out_h = 0, out_w = 0;
+  int64_t raw_h = 0, raw_w = 0;  // the input tensor's height and width
+  int64_t pad_top = 0, pad_left = 0;
+  bool one_pad = false;
+  int32_t K = 0;  // k_h * k_w * channels per group
+  ConvShape s;    // one group's conv, as the core runs it
+  Impl impl = Impl::kPortable;
+  std::vector<BitFilter<float>> filters;  // per group
+  std::vector<float> multiplier, bias;    // LCE's output transform
+  int32_t clamp_min = 0, clamp_max = 0;
+  std::vector<int32_t> thresholds;
+  // Scratch, sized at Prepare.
+  std::vector<uint64_t> xb;   // AVX-512: the group's words, 64 to a word
+  std::vector<float> xf;      // other tiers: the group's +-1 values
+  std::vector<float> dots;    // [pixels][out_c / groups], unless in place
+};
+
+BConv2D::BConv2D() : state_(new State) {}
+BConv2D::~BConv2D() = default;
+
+int64_t BConv2D::out_h() const { return state_->out_h; }
+int64_t BConv2D::out_w() const { return state_->out_w; }
+int64_t BConv2D::out_channels() const {
+  return state_->kind == OutputKind::kBitpacked ? PackedWords(state_->out_c)
+                                                : state_->out_c;
+}
+const char* BConv2D::impl_name() const { return ImplName(state_->impl); }
+
+std::string BConv2D::Prepare(const BConvAttrs& attrs, OutputKind kind,
+                             int64_t batch, int64_t in_h, int64_t in_w,
+                             int64_t in_words, const int64_t filter_dims[4],
+                             const int32_t* filter, const float* post_mul,
+                             const float* post_bias, const int32_t* thresholds,
+                             double output_scale, int32_t output_zero_point) {
+  State& st = *state_;
+  st = State();
+  st.attrs = attrs;
+  st.kind = kind;
+  const int64_t C = attrs.channels_in;
+  const int64_t N = filter_dims[0];
+  if (C < 1) return "channels_in must be >= 1";
+  if (in_words != PackedWords(C)) {
+    return "the input has " + std::to_string(in_words) +
+           " words per pixel, but channels_in " + std::to_string(C) +
+           " packs into " + std::to_string(PackedWords(C));
+  }
+  if (N < 1 || filter_dims[1] < 1 || filter_dims[2] < 1 || filter_dims[3] < 1) {
+    return "the filter has an empty dimension";
+  }
+  if (attrs.pad_value != 0 && attrs.pad_value != 1) {
+    return "pad_values must be 0 or 1";
+  }
+  if (in_words % filter_dims[3] != 0) {
+    return "the filter's " + std::to_string(filter_dims[3]) +
+           " words per pixel do not divide the input's " +
+           std::to_string(in_words);
+  }
+  st.groups = filter_dims[3] == in_words ? 1 : in_words / filter_dims[3];
+  if (st.groups > 1 &&
+      (C % st.groups != 0 || (C / st.groups) % 32 != 0 || N % st.groups != 0)) {
+    return "grouped bconv needs channels_in / groups a multiple of 32 and "
+           "output channels a multiple of groups";
+  }
+  const bool zero_pad = attrs.same && attrs.pad_value == 0;
+  if (zero_pad && (kind != OutputKind::kFloat ||
+                   attrs.activation != Activation::kNone)) {
+    return "zero padding (pad_values 0 with SAME) is supported with float "
+           "output and no fused activation only, as in LCE's optimized "
+           "kernels";
+  }
+  st.in_words = in_words;
+  st.group_words = filter_dims[3];
+  st.out_c = N;
+  const int64_t Cg = C / st.groups, Ng = N / st.groups;
+  st.K = static_cast<int32_t>(filter_dims[1] * filter_dims[2] * Cg);
+
+  ConvShape s;
+  s.batch = batch, s.in_h = in_h, s.in_w = in_w, s.in_c = Cg;
+  s.k_h = filter_dims[1], s.k_w = filter_dims[2], s.out_c = Ng;
+  s.stride_h = attrs.stride_h, s.stride_w = attrs.stride_w;
+  s.dil_h = attrs.dil_h, s.dil_w = attrs.dil_w;
+  std::string error = ComputeConvGeometry(
+      attrs.same ? Padding::kSame : Padding::kValid, 0, 0, 0, 0, &s);
+  if (!error.empty()) return error;
+  st.out_h = s.out_h, st.out_w = s.out_w;
+  st.pad_top = s.pad_top, st.pad_left = s.pad_left;
+  st.one_pad = attrs.same && attrs.pad_value == 1;
+  if (st.one_pad) {
+    // The padded input holds SAME's padding on all four sides; the conv is
+    // then VALID over it, with the same output size.
+    const int64_t ek_h = (s.k_h - 1) * s.dil_h + 1;
+    const int64_t ek_w = (s.k_w - 1) * s.dil_w + 1;
+    s.in_h = std::max(in_h, (s.out_h - 1) * s.stride_h + ek_h);
+    s.in_w = std::max(in_w, (s.out_w - 1) * s.stride_w + ek_w);
+    s.pad_top = 0, s.pad_left = 0;
+  }
+  st.raw_h = in_h, st.raw_w = in_w;
+  st.s = s;
+  st.impl = RunnableOrBest(QueryOf(ConvOp::kForward, s, true, false, false),
+                           Impl::kBest);
+  const BitIsa isa = BitIsaOf(st.impl);
+
+  // The filter, per group, in the core's layout: W's words
+  // [tap * cw + k][n_pad], each tap's popcount, alpha 1 (the dot itself).
+  const int64_t taps = s.k_h * s.k_w, cw = WordsPerPixel(s);
+  const int64_t fw = filter_dims[3];
+  for (int64_t g = 0; g < st.groups; ++g) {
+    BitFilter<float> f;
+    f.k_h = s.k_h, f.k_w = s.k_w, f.in_c = Cg, f.out_c = Ng;
+    f.scale = Scale::kNone;
+    f.isa = static_cast<int>(isa);
+    f.n_pad = RoundUp(Ng, kPopColTile);
+    f.words.assign(taps * cw * f.n_pad, 0);
+    f.tap_count.assign(taps * Ng, 0);
+    for (int64_t o = 0; o < Ng; ++o) {
+      const int32_t* wo = filter + (g * Ng + o) * taps * fw;
+      for (int64_t t = 0; t < taps; ++t) {
+        for (int64_t k = 0; k < cw; ++k) {
+          const uint64_t lo = static_cast<uint32_t>(wo[t * fw + 2 * k]);
+          const uint64_t hi =
+              2 * k + 1 < fw ? static_cast<uint32_t>(wo[t * fw + 2 * k + 1])
+                             : 0;
+          const uint64_t word = lo | hi << 32;
+          f.words[(t * cw + k) * f.n_pad + o] = word;
+          f.tap_count[t * Ng + o] += __builtin_popcountll(word);
+        }
+      }
+    }
+    if (isa == BitIsa::kAvx2) {
+      f.nibbles = NibblePanels(f.words, taps * cw, f.n_pad);
+      f.words = std::vector<uint64_t>();
+    }
+    f.alpha.assign(Ng, 1.0f);
+    st.filters.push_back(std::move(f));
+  }
+
+  if (kind == OutputKind::kBitpacked) {
+    st.thresholds.assign(thresholds, thresholds + N);
+  } else {
+    // LCE's OneTimeSetup, in the same precision and order.
+    const double scale = kind == OutputKind::kInt8 ? output_scale : 1.0;
+    const double zero = kind == OutputKind::kInt8 ? output_zero_point : 0.0;
+    st.multiplier.resize(N);
+    st.bias.resize(N);
+    for (int64_t o = 0; o < N; ++o) {
+      const double m = post_mul[o], b = post_bias[o];
+      st.multiplier[o] = static_cast<float>(-1 * m / scale);
+      st.bias[o] = static_cast<float>((b + static_cast<double>(st.K) * m) /
+                                          scale +
+                                      zero);
+    }
+    int32_t lo, hi;
+    ActivationRange(attrs.activation, &lo, &hi);
+    lo = std::max(lo, -st.K);
+    hi = std::min(hi, st.K);
+    st.clamp_min = -hi + st.K;
+    st.clamp_max = -lo + st.K;
+  }
+
+  const int64_t in_pixels = batch * s.in_h * s.in_w;
+  if (isa == BitIsa::kAvx512) {
+    st.xb.assign(in_pixels * cw, 0);
+  } else {
+    st.xf.assign(in_pixels * Cg, 1.0f);
+  }
+  if (!(kind == OutputKind::kFloat && st.groups == 1)) {
+    st.dots.assign(OutPixels(s) * Ng, 0.0f);
+  }
+  return "";
+}
+
+void BConv2D::Run(const int32_t* input, void* output,
+                  const ParallelFor& parallel_for) {
+  State& st = *state_;
+  const ConvShape& s = st.s;
+  const int64_t pixels = OutPixels(s);
+  if (pixels == 0) return;
+  const int64_t Ng = s.out_c, N = st.out_c, Cg = s.in_c;
+  const int64_t cw = WordsPerPixel(s), gw = st.group_words;
+  const bool avx512 = static_cast<BitIsa>(st.filters[0].isa) == BitIsa::kAvx512;
+  const int64_t top = st.one_pad ? st.pad_top : 0;
+  const int64_t left = st.one_pad ? st.pad_left : 0;
+  const bool in_place = st.kind == OutputKind::kFloat && st.groups == 1;
+  if (st.kind == OutputKind::kBitpacked) {
+    std::fill_n(static_cast<int32_t*>(output), pixels * PackedWords(N), 0);
+  }
+  for (int64_t g = 0; g < st.groups; ++g) {
+    // The group's input in the core's form; one-padding taps read +1.
+    parallel_for(s.batch * s.in_h, s.in_w * (Cg + 1), [&](int64_t r0,
+                                                          int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const int64_t n = r / s.in_h, ih = r % s.in_h - top;
+        for (int64_t pw = 0; pw < s.in_w; ++pw) {
+          const int64_t iw = pw - left;
+          const bool inside =
+              ih >= 0 && ih < st.raw_h && iw >= 0 && iw < st.raw_w;
+          const int32_t* src =
+              input + ((n * st.raw_h + ih) * st.raw_w + iw) * st.in_words +
+              g * gw;
+          const int64_t p = r * s.in_w + pw;
+          if (avx512) {
+            for (int64_t k = 0; k < cw; ++k) {
+              uint64_t word = 0;
+              if (inside) {
+                word = static_cast<uint32_t>(src[2 * k]);
+                if (2 * k + 1 < gw) {
+                  word |= uint64_t{static_cast<uint32_t>(src[2 * k + 1])} << 32;
+                }
+              }
+              st.xb[p * cw + k] = word;
+            }
+          } else {
+            float* xf = &st.xf[p * Cg];
+            for (int64_t c = 0; c < Cg; ++c) {
+              xf[c] = inside && (static_cast<uint32_t>(src[c / 32]) >> (c % 32) & 1u)
+                          ? -1.0f
+                          : 1.0f;
+            }
+          }
+        }
+      }
+    });
+    const BitFilter<float>& f = st.filters[g];
+    float* dots = in_place ? static_cast<float*>(output) : st.dots.data();
+#if TAPEHOOK_HAVE_AVX512_PATH
+    if (avx512) {
+      // x is read only for prefetching, which a packed input does not do.
+      static const float kNoFloats[1] = {0.0f};
+      BitpackedBlocks512<float>(s, BitInput::kPacked, kNoFloats, st.xb.data(),
+                         f.words.data(), f.n_pad, f.tap_count.data(),
+                         f.alpha.data(), dots, parallel_for, nullptr, false,
+                         nullptr);
+    } else
+#endif
+    {
+      BinaryConv2DForwardBinary(s, st.xf.data(), f, dots, parallel_for);
+    }
+    // LCE's output transform of 2 * count = K - dot.
+    parallel_for(pixels, 4 * Ng + 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        for (int64_t o = 0; o < Ng; ++o) {
+          const int32_t twice = st.K - static_cast<int32_t>(dots[p * Ng + o]);
+          const int64_t oc = g * Ng + o;
+          if (st.kind == OutputKind::kBitpacked) {
+            if (twice / 2 > st.thresholds[oc]) {
+              int32_t* word = static_cast<int32_t*>(output) +
+                              p * PackedWords(N) + oc / 32;
+              *word = static_cast<int32_t>(static_cast<uint32_t>(*word) |
+                                           1u << (oc % 32));
+            }
+            continue;
+          }
+          const int32_t x = std::max(std::min(twice, st.clamp_max), st.clamp_min);
+          const float v = static_cast<float>(x) * st.multiplier[oc] + st.bias[oc];
+          if (st.kind == OutputKind::kFloat) {
+            float_out(output)[p * N + oc] = v;
+          } else {
+            const float r = std::round(v);
+            static_cast<int8_t*>(output)[p * N + oc] = static_cast<int8_t>(
+                std::max(-128.0f, std::min(127.0f, r)));
+          }
+        }
+      }
+    });
+  }
+}
+
+std::string BMaxPoolGeometry(int64_t in_h, int64_t in_w, int64_t k_h,
+                             int64_t k_w, int64_t stride_h, int64_t stride_w,
+                             bool same, int64_t* out_h, int64_t* out_w) {
+  ConvShape s;
+  s.batch = 1, s.in_h = in_h, s.in_w = in_w, s.in_c = 1;
+  s.k_h = k_h, s.k_w = k_w, s.out_c = 1;
+  s.stride_h = stride_h, s.stride_w = stride_w;
+  std::string error = ComputeConvGeometry(
+      same ? Padding::kSame : Padding::kValid, 0, 0, 0, 0, &s);
+  *out_h = s.out_h, *out_w = s.out_w;
+  return error;
+}
+
+void BMaxPool(const int32_t* input, int64_t batch, int64_t in_h, int64_t in_w,
+              int64_t words, int64_t k_h, int64_t k_w, int64_t stride_h,
+              int64_t stride_w, bool same, int32_t* output,
+              const ParallelFor& parallel_for) {
+  ConvShape s;
+  s.batch = batch, s.in_h = in_h, s.in_w = in_w, s.in_c = 1;
+  s.k_h = k_h, s.k_w = k_w, s.out_c = 1;
+  s.stride_h = stride_h, s.stride_w = stride_w;
+  if (!ComputeConvGeometry(same ? Padding::kSame : Padding::kValid, 0, 0, 0, 0,
+                           &s)
+           .empty()) {
+    return;
+  }
+  parallel_for(OutPixels(s), k_h * k_w * words + 1, [&](int64_t p0,
+                                                        int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const PixelPos q = Pos(s, p);
+      const int64_t h0 = q.oh * stride_h - s.pad_top;
+      const int64_t w0 = q.ow * stride_w - s.pad_left;
+      int32_t* out = output + p * words;
+      std::fill_n(out, words, ~int32_t{0});
+      for (int64_t ih = std::max<int64_t>(h0, 0);
+           ih < std::min(h0 + k_h, in_h); ++ih) {
+        for (int64_t iw = std::max<int64_t>(w0, 0);
+             iw < std::min(w0 + k_w, in_w); ++iw) {
+          const int32_t* in = input + ((q.n * in_h + ih) * in_w + iw) * words;
+          for (int64_t k = 0; k < words; ++k) out[k] &= in[k];
+        }
+      }
+    }
+  });
+}
+
+}  // namespace lce
+}  // namespace tapehook
