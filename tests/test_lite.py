@@ -424,3 +424,22 @@ def test_lower_tiers_same_results(lce_file, tmp_path, switch):
     assert len(outputs["default"]) == 8
     for key, value in outputs["default"].items():
         np.testing.assert_array_equal(outputs["lower"][key], value, err_msg=key)
+
+
+def test_registerer_by_symbol_name(lce_file):
+    """LiteRT's other registerer form: a symbol it looks up in the process."""
+    from ai_edge_litert.interpreter import InterpreterWithCustomOps
+
+    lite.kernel_impl()  # loads the library (RTLD_GLOBAL)
+    x = _inputs(7)
+    by_name = InterpreterWithCustomOps(
+        model_path=str(lce_file), custom_op_registerers=["TapehookLiteRegisterLceOps"]
+    )
+    by_name.allocate_tensors()
+    by_name.set_tensor(by_name.get_input_details()[0]["index"], x)
+    by_name.invoke()
+    ours = _run(lce_file, x)
+    np.testing.assert_array_equal(
+        by_name.get_tensor(by_name.get_output_details()[0]["index"]),
+        ours.get_tensor(ours.get_output_details()[0]["index"]),
+    )
