@@ -8,11 +8,16 @@ elementwise and reduction ops per layer of Keras 3's TensorFlow backend.
 tf-keras, and so larq, trained on the fused op; Keras 3 does not. In a binary
 network a batch norm follows every binary conv, and Keras 3's is the largest
 float cost of a training step around the binary kernels
-(docs/models.md). Opt-in: Keras's own layer is never changed.
+(docs/models.md). Keras's own class is never changed; in a model tapehook is
+in charge of (``tapehook.binarize``, ``tapehook.larq``), stock instances of
+these three layers become instances of these classes unless
+``fast_layers`` is off (``tapehook.models``; docs/design.md).
 
 ``MaxPooling2D`` is Keras 3's layer whose training calls keep the position
 of each window's maximum for the backward instead of the pool's float input
-and output (the stem pool of Bi-Real-Net and ResNets keeps 5x less).
+and output (one byte per output element where the stock backward keeps
+two float tensors, the larger four times the output's size at a stride-2
+pool).
 
 ``Add`` is Keras 3's layer whose inference calls, in graphs, let the binary
 conv before it (its batch norm folded in) add the other input as it writes
@@ -450,9 +455,10 @@ def _max_pool_keeping_argmax(x, ksize, strides, padding, fuse_relu=False):
     ksize = [1, *ksize, 1]
     strides = [1, *strides, 1]
     library = kernels.cpu_library()
-    # tapehook's kernels (float32, CPU): TF's MaxPoolWithArgmax CPU kernel
-    # takes 13x as long at Bi-Real-Net's stem pool (30 against 2.2 ms,
-    # 32x56x56x64); both give the same outputs and positions.
+    # tapehook's kernels (float32, CPU) where they apply: TF's
+    # MaxPoolWithArgmax CPU kernel is the slower of the two at a stem pool's
+    # size (bench/step_ops.py's per-op times of a bench/models.py step); both
+    # give the same outputs and positions.
     ours = library is not None and x.dtype == tf.float32
     if ours and ksize[1] * ksize[2] <= _MAX_POOL_TAPS:
         return _max_pool_keeping_taps(library, x, ksize, strides, padding, fuse_relu)

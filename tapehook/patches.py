@@ -19,8 +19,8 @@
     output only where needed: a marked variable's own read (_MarkedRead in
     its instance dict) and, while a binary_scope is open, the class's read
   - the gen_* functions on the path of every op have a signature-exact front
-    (_front) before their FunctionWrapper: the common untagged call costs
-    ~1 us instead of ~3.5
+    (_front) before their FunctionWrapper, so the common untagged call skips
+    the wrapper's generic argument handling (bench/overhead.py)
   - execute.record_gradient: op types under tapehook.override_gradient on
     this thread are recorded with their scoped gradient (override.py)
   - Keras: Conv1D.call lets a binary causal Conv1D pad x_hat itself
@@ -113,8 +113,8 @@ def _front(original, wrapper, test):
     original would (same parameters and defaults, so every calling form works
     and a wrong one raises the original's TypeError) and passes every argument
     on by position: no dict is built, which is what keeps an untagged call
-    within ~1 us of stock where the FunctionWrapper alone costs ~3.5 us next
-    to a TF op (bench/overhead.py). Its frames count as patches.py's, hidden
+    close to stock where the FunctionWrapper alone would add a visible cost
+    to every TF op (bench/overhead.py). Its frames count as patches.py's, hidden
     from TF's "in user code" frames like the wrappers'.
     """
     params = list(inspect.signature(original).parameters.values())
