@@ -9,7 +9,9 @@ namespace {
 // Below this much work (units times cycles per unit) waking threads costs
 // more than it saves.
 constexpr int64_t kMinParallelCost = 20000;
-thread_local bool in_worker = false;
+// Set on the pool's threads and on a caller while it runs its shards: a
+// nested ParallelFor there runs inline (waiting on the pool would deadlock).
+thread_local bool in_pool = false;
 }  // namespace
 
 ThreadPool::ThreadPool(int threads) {
@@ -26,7 +28,7 @@ ThreadPool::~ThreadPool() {
 }
 
 void ThreadPool::Work() {
-  in_worker = true;
+  in_pool = true;
   uint64_t seen = 0;
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
@@ -52,7 +54,7 @@ void ThreadPool::ParallelFor(int64_t total, int64_t cost_per_unit,
   const bool small =
       cost_per_unit >= 0 && total * std::max<int64_t>(cost_per_unit, 1) <
                                 kMinParallelCost;
-  if (workers_.empty() || total == 1 || small || in_worker) {
+  if (workers_.empty() || total == 1 || small || in_pool) {
     fn(0, total);
     return;
   }
@@ -68,6 +70,7 @@ void ThreadPool::ParallelFor(int64_t total, int64_t cost_per_unit,
   ++generation_;
   lock.unlock();
   wake_.notify_all();
+  in_pool = true;
   fn(0, total / shards_);
   lock.lock();
   --pending_;
@@ -78,6 +81,7 @@ void ThreadPool::ParallelFor(int64_t total, int64_t cost_per_unit,
     lock.lock();
     --pending_;
   }
+  in_pool = false;
   done_.wait(lock, [&] { return pending_ == 0; });
   shards_ = 0;
   fn_ = nullptr;
