@@ -443,3 +443,80 @@ def test_registerer_by_symbol_name(lce_file):
         by_name.get_tensor(by_name.get_output_details()[0]["index"]),
         ours.get_tensor(ours.get_output_details()[0]["index"]),
     )
+
+
+def _with_dequantize(path, tmp_path, out_type, scale=None, zero_point=None):
+    """A copy whose LceQuantize output also feeds a new LceDequantize (to
+    out_type, a TFLite TensorType value), whose output is a graph output."""
+    import flatbuffers
+    from tensorflow.lite.python import schema_py_generated as schema
+
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAs(bytearray(path.read_bytes()), 0))
+    graph = model.subgraphs[0]
+    codes = [c.customCode.decode() if c.customCode else None for c in model.operatorCodes]
+    quantize = next(op for op in graph.operators if codes[op.opcodeIndex] == "LceQuantize")
+    code = schema.OperatorCodeT()
+    code.builtinCode = code.deprecatedBuiltinCode = schema.BuiltinOperator.CUSTOM
+    code.customCode = b"LceDequantize"
+    code.version = 1
+    model.operatorCodes.append(code)
+    unpacked = graph.tensors[quantize.inputs[0]]
+    tensor = schema.TensorT()
+    tensor.shape = list(unpacked.shape)
+    tensor.type = out_type
+    tensor.name = b"dequantized"
+    tensor.buffer = 0
+    if scale is not None:
+        tensor.quantization = schema.QuantizationParametersT()
+        tensor.quantization.scale = [scale]
+        tensor.quantization.zeroPoint = [zero_point]
+    graph.tensors.append(tensor)
+    op = schema.OperatorT()
+    op.opcodeIndex = len(model.operatorCodes) - 1
+    op.inputs = [quantize.outputs[0]]
+    op.outputs = [len(graph.tensors) - 1]
+    graph.operators.insert(graph.operators.index(quantize) + 1, op)
+    graph.outputs = list(graph.outputs) + [len(graph.tensors) - 1]
+    builder = flatbuffers.Builder(1024)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    out = tmp_path / f"dequantize_{out_type}.tflite"
+    out.write_bytes(bytes(builder.Output()))
+    return out
+
+
+@pytest.mark.parametrize(
+    "out_type,scale,zero_point,plus,minus",
+    [(0, None, None, 1.0, -1.0), (9, 0.5, 3, 5, 1), (9, 0.01, 100, 127, 0), (6, None, None, 1, 0)],
+)
+def test_dequantize(lce_file, tmp_path, out_type, scale, zero_point, plus, minus):
+    """LceDequantize: +1 / -1 as float, as int8 zero_point +- round(1 / scale)
+    (saturated), as bool true / false."""
+    edited = _with_dequantize(lce_file, tmp_path, out_type, scale, zero_point)
+    x = _inputs(8)
+    interp = _run(edited, x)
+    out = interp.get_tensor(interp.get_output_details()[-1]["index"])
+    np.testing.assert_array_equal(out, np.where(x < 0, minus, plus).astype(out.dtype))
+
+
+def test_quantize_int8_input(lce_file, tmp_path):
+    """LceQuantize of int8: bit set where the value is below the zero point."""
+
+    from tensorflow.lite.python import schema_py_generated as schema
+
+    def edit(op, model):
+        tensor = model.subgraphs[0].tensors[op.inputs[0]]
+        tensor.type = 9
+        tensor.quantization = schema.QuantizationParametersT()
+        tensor.quantization.scale = [0.05]
+        tensor.quantization.zeroPoint = [3]
+
+    edited = _with_operator(lce_file, tmp_path, "LceQuantize", edit)
+    interp = lite.Interpreter(edited, experimental_preserve_all_tensors=True)
+    interp.allocate_tensors()
+    x = np.random.default_rng(9).integers(-128, 128, (1, 16, 16, 40)).astype(np.int8)
+    interp.set_tensor(interp.get_input_details()[0]["index"], x)
+    interp.invoke()
+    quantize = next(op for op in interp._get_ops_details() if op["op_name"] == "LceQuantize")
+    np.testing.assert_array_equal(
+        interp.get_tensor(quantize["outputs"][0]), _pack((x < 3).astype(np.int64))
+    )
