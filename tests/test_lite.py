@@ -520,3 +520,21 @@ def test_quantize_int8_input(lce_file, tmp_path):
     np.testing.assert_array_equal(
         interp.get_tensor(quantize["outputs"][0]), _pack((x < 3).astype(np.int64))
     )
+
+
+def test_batch_resize(lce_file):
+    """LCE's converter fixes batch 1; resized to 3, each sample's output is
+    its batch-1 output, bit for bit."""
+    x = _inputs(10, n=3)
+    interp = lite.Interpreter(lce_file)
+    index = interp.get_input_details()[0]["index"]
+    interp.resize_tensor_input(index, x.shape)
+    interp.allocate_tensors()
+    interp.set_tensor(index, x)
+    interp.invoke()
+    batched = interp.get_tensor(interp.get_output_details()[0]["index"])
+    for i in range(3):
+        one = _run(lce_file, x[i : i + 1])
+        np.testing.assert_array_equal(
+            batched[i : i + 1], one.get_tensor(one.get_output_details()[0]["index"])
+        )
