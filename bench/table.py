@@ -475,6 +475,21 @@ def deploy_table(data):
     return lines
 
 
+def deploy_zoo_table(data):
+    lines = [
+        "| model | file, interpreter | MiB | ms per image | x float twin | max abs diff vs LCE |",
+        "|---|---|---|---|---|---|",
+    ]
+    floats = {r["model"]: r["ms_batch1"] for r in data["rows"] if r["binary_layers"] == 0}
+    for r in data["rows"]:
+        diff = r.get("max_abs_diff_vs_lce")
+        lines.append(
+            f"| {r['model']} | {r['name']} | {r['bytes'] / 2**20:.1f} | {r['ms_batch1']:.1f} "
+            f"| {floats[r['model']] / r['ms_batch1']:.2f} | {'-' if diff is None else f'{diff:.1e}'} |"
+        )
+    return lines
+
+
 def saved_tensors_table(data):
     mib = 2**20
     models = list(dict.fromkeys(r["model"] for r in data["rows"]))
@@ -560,6 +575,15 @@ OTHER_BENCHMARKS = [
         "by its interpreter on one thread, batch 1.",
         "python bench/deploy.py",
         deploy_table,
+    ),
+    (
+        "deploy_zoo.json",
+        "Zoo models deployed on x86: tapehook.lite against LCE's interpreter and float",
+        "QuickNetSmall and Bi-Real-Net at 224 px: the float twin in LiteRT (XNNPACK), the "
+        "LCE file in LCE 0.16's interpreter and in `tapehook.lite` ([Deploy](deploy.md)); "
+        "one thread, batch 1, median of 10.",
+        "python bench/deploy.py --zoo",
+        deploy_zoo_table,
     ),
     (
         "overhead.json",

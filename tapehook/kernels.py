@@ -111,9 +111,11 @@ def cuda_plan():
     return reason is None, reason
 
 
-def _cache_key(root, compile_flags, link_flags, with_cuda):
+def compiler_version() -> str:
+    """The C++ compiler's first --version line (part of every build's cache
+    key), or a TapehookError naming the fix when there is none."""
     try:
-        version = subprocess.run(
+        return subprocess.run(
             [_compiler(), "--version"], capture_output=True, text=True, check=True
         ).stdout.splitlines()[0]
     except (OSError, subprocess.CalledProcessError) as exc:
@@ -121,6 +123,10 @@ def _cache_key(root, compile_flags, link_flags, with_cuda):
             f"no C++ compiler: `{_compiler()} --version` failed ({exc}); install g++ "
             f"(Debian: apt install g++) or set CXX"
         ) from None
+
+
+def _cache_key(root, compile_flags, link_flags, with_cuda):
+    version = compiler_version()
     digest = hashlib.sha256()
     if with_cuda:
         nvcc = cuda_build.find_nvcc()
@@ -130,6 +136,9 @@ def _cache_key(root, compile_flags, link_flags, with_cuda):
     for part in (tf.__version__, version, *compile_flags, *link_flags):
         digest.update(part.encode() + b"\0")
     for path in sorted(root.rglob("*")):
+        # lite/ is the LiteRT library's (tapehook.lite_build), not this one's.
+        if "lite" in path.relative_to(root).parts[:1]:
+            continue
         if path.suffix in (".cc", ".h", ".cu") and (with_cuda or "cuda" not in path.parts):
             digest.update(path.relative_to(root).as_posix().encode() + b"\0")
             digest.update(path.read_bytes())

@@ -17,7 +17,7 @@ import subprocess
 import tempfile
 
 from tapehook.errors import TapehookError
-from tapehook.kernels import cache_root, source_dir
+from tapehook.kernels import cache_root, compiler_version, source_dir
 
 LIBRARY_NAME = "libtapehook_lite.so"
 SUBDIRS = ("core", "lite")
@@ -48,15 +48,7 @@ def _sources(root):
 
 def _key(root, flags):
     digest = hashlib.sha256()
-    try:
-        version = subprocess.run(
-            [_compiler(), "--version"], capture_output=True, text=True, check=True
-        ).stdout.splitlines()[0]
-    except (OSError, subprocess.CalledProcessError) as exc:
-        raise TapehookError(
-            f"no C++ compiler: `{_compiler()} --version` failed ({exc}); install g++ "
-            f"(Debian: apt install g++) or set CXX"
-        ) from None
+    version = compiler_version()
     for part in (version, *flags):
         digest.update(part.encode() + b"\0")
     for sub in SUBDIRS:

@@ -51,9 +51,13 @@ def finite_differences(f, x, h=1e-6):
 
 @pytest.fixture
 def float64():
+    # Keras fixes its global dtype policy from floatx at the first layer a
+    # process builds, so set both (the policy decides the layers' dtype).
     keras.backend.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
     yield
     keras.backend.set_floatx("float32")
+    keras.config.set_dtype_policy("float32")
 
 
 @pytest.mark.parametrize("mode", MODES)

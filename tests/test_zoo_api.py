@@ -232,7 +232,7 @@ def _release_table():
     path = FIXTURES / "zoo" / "reference.json"
     if not path.exists():
         return {}
-    return json.loads(path.read_text()).get("weights", {})
+    return json.loads(path.read_text())["models"]
 
 
 @pytest.mark.parametrize("name", zoo.MODELS)
@@ -241,7 +241,7 @@ def test_every_model_asks_larq_zoos_release_url(name, server):
     file name from larq-zoo's code, via the fixture), top and headless; here
     the server has none, so the error names that URL."""
     table = _release_table()[name]
-    for include_top, key in ((True, "top"), (False, "notop")):
+    for include_top, key in ((True, "weights_top"), (False, "weights_notop")):
         expected = table.get(key)
         server.requests.clear()
         with pytest.raises(tapehook.TapehookError) as info:

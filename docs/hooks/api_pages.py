@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "tapehook"
 # Packages documented in full even though tapehook/__init__.py does not import them
 # (importing tapehook.larq, say, is the user's choice).
-EXTRA_MODULES = ("larq", "zoo", "distill", "recipes", "config")
+EXTRA_MODULES = ("larq", "zoo", "distill", "recipes", "config", "lite")
 
 
 def _all_of(path):
