@@ -102,9 +102,9 @@ struct BConv2D::State {
   int32_t clamp_min = 0, clamp_max = 0;
   std::vector<int32_t> thresholds;
   // Scratch, sized at Prepare.
-  std::vector<uint64_t> xb;   // AVX-512: the group's words, 64 to a word
-  std::vector<float> xf;      // other tiers: the group's +-1 values
-  std::vector<float> dots;    // [pixels][out_c / groups], unless in place
+  std::vector<uint64_t> xb;  // AVX-512: the group's words, 64 to a word
+  std::vector<float> xf;     // other tiers: the group's +-1 values
+  std::vector<float> dots;   // [pixels][out_c / groups], unless in place
 };
 
 BConv2D::BConv2D() : state_(new State) {}
@@ -154,8 +154,8 @@ std::string BConv2D::Prepare(const BConvAttrs& attrs, OutputKind kind,
            "output channels a multiple of groups";
   }
   const bool zero_pad = attrs.same && attrs.pad_value == 0;
-  if (zero_pad && (kind != OutputKind::kFloat ||
-                   attrs.activation != Activation::kNone)) {
+  if (zero_pad &&
+      (kind != OutputKind::kFloat || attrs.activation != Activation::kNone)) {
     return "zero padding (pad_values 0 with SAME) is supported with float "
            "output and no fused activation only, as in LCE's optimized "
            "kernels";
@@ -237,9 +237,8 @@ std::string BConv2D::Prepare(const BConvAttrs& attrs, OutputKind kind,
     for (int64_t o = 0; o < N; ++o) {
       const double m = post_mul[o], b = post_bias[o];
       st.multiplier[o] = static_cast<float>(-1 * m / scale);
-      st.bias[o] = static_cast<float>((b + static_cast<double>(st.K) * m) /
-                                          scale +
-                                      zero);
+      st.bias[o] = static_cast<float>(
+          (b + static_cast<double>(st.K) * m) / scale + zero);
     }
     int32_t lo, hi;
     ActivationRange(attrs.activation, &lo, &hi);
@@ -278,40 +277,43 @@ void BConv2D::Run(const int32_t* input, void* output,
   }
   for (int64_t g = 0; g < st.groups; ++g) {
     // The group's input in the core's form; one-padding taps read +1.
-    parallel_for(s.batch * s.in_h, s.in_w * (Cg + 1), [&](int64_t r0,
-                                                          int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const int64_t n = r / s.in_h, ih = r % s.in_h - top;
-        for (int64_t pw = 0; pw < s.in_w; ++pw) {
-          const int64_t iw = pw - left;
-          const bool inside =
-              ih >= 0 && ih < st.raw_h && iw >= 0 && iw < st.raw_w;
-          const int32_t* src =
-              input + ((n * st.raw_h + ih) * st.raw_w + iw) * st.in_words +
-              g * gw;
-          const int64_t p = r * s.in_w + pw;
-          if (avx512) {
-            for (int64_t k = 0; k < cw; ++k) {
-              uint64_t word = 0;
-              if (inside) {
-                word = static_cast<uint32_t>(src[2 * k]);
-                if (2 * k + 1 < gw) {
-                  word |= uint64_t{static_cast<uint32_t>(src[2 * k + 1])} << 32;
+    parallel_for(
+        s.batch * s.in_h, s.in_w * (Cg + 1), [&](int64_t r0, int64_t r1) {
+          for (int64_t r = r0; r < r1; ++r) {
+            const int64_t n = r / s.in_h, ih = r % s.in_h - top;
+            for (int64_t pw = 0; pw < s.in_w; ++pw) {
+              const int64_t iw = pw - left;
+              const bool inside =
+                  ih >= 0 && ih < st.raw_h && iw >= 0 && iw < st.raw_w;
+              const int32_t* src =
+                  input + ((n * st.raw_h + ih) * st.raw_w + iw) * st.in_words +
+                  g * gw;
+              const int64_t p = r * s.in_w + pw;
+              if (avx512) {
+                for (int64_t k = 0; k < cw; ++k) {
+                  uint64_t word = 0;
+                  if (inside) {
+                    word = static_cast<uint32_t>(src[2 * k]);
+                    if (2 * k + 1 < gw) {
+                      word |= uint64_t{static_cast<uint32_t>(src[2 * k + 1])}
+                              << 32;
+                    }
+                  }
+                  st.xb[p * cw + k] = word;
+                }
+              } else {
+                float* xf = &st.xf[p * Cg];
+                for (int64_t c = 0; c < Cg; ++c) {
+                  xf[c] = inside && (static_cast<uint32_t>(src[c / 32]) >>
+                                         (c % 32) &
+                                     1u)
+                              ? -1.0f
+                              : 1.0f;
                 }
               }
-              st.xb[p * cw + k] = word;
-            }
-          } else {
-            float* xf = &st.xf[p * Cg];
-            for (int64_t c = 0; c < Cg; ++c) {
-              xf[c] = inside && (static_cast<uint32_t>(src[c / 32]) >> (c % 32) & 1u)
-                          ? -1.0f
-                          : 1.0f;
             }
           }
-        }
-      }
-    });
+        });
     const BitFilter<float>& f = st.filters[g];
     float* dots = in_place ? static_cast<float*>(output) : st.dots.data();
 #if TAPEHOOK_HAVE_AVX512_PATH
@@ -319,9 +321,9 @@ void BConv2D::Run(const int32_t* input, void* output,
       // x is read only for prefetching, which a packed input does not do.
       static const float kNoFloats[1] = {0.0f};
       BitpackedBlocks512<float>(s, BitInput::kPacked, kNoFloats, st.xb.data(),
-                         f.words.data(), f.n_pad, f.tap_count.data(),
-                         f.alpha.data(), dots, parallel_for, nullptr, false,
-                         nullptr);
+                                f.words.data(), f.n_pad, f.tap_count.data(),
+                                f.alpha.data(), dots, parallel_for, nullptr,
+                                false, nullptr);
     } else
 #endif
     {
@@ -335,21 +337,23 @@ void BConv2D::Run(const int32_t* input, void* output,
           const int64_t oc = g * Ng + o;
           if (st.kind == OutputKind::kBitpacked) {
             if (twice / 2 > st.thresholds[oc]) {
-              int32_t* word = static_cast<int32_t*>(output) +
-                              p * PackedWords(N) + oc / 32;
+              int32_t* word =
+                  static_cast<int32_t*>(output) + p * PackedWords(N) + oc / 32;
               *word = static_cast<int32_t>(static_cast<uint32_t>(*word) |
                                            1u << (oc % 32));
             }
             continue;
           }
-          const int32_t x = std::max(std::min(twice, st.clamp_max), st.clamp_min);
-          const float v = static_cast<float>(x) * st.multiplier[oc] + st.bias[oc];
+          const int32_t x =
+              std::max(std::min(twice, st.clamp_max), st.clamp_min);
+          const float v =
+              static_cast<float>(x) * st.multiplier[oc] + st.bias[oc];
           if (st.kind == OutputKind::kFloat) {
             float_out(output)[p * N + oc] = v;
           } else {
             const float r = std::round(v);
-            static_cast<int8_t*>(output)[p * N + oc] = static_cast<int8_t>(
-                std::max(-128.0f, std::min(127.0f, r)));
+            static_cast<int8_t*>(output)[p * N + oc] =
+                static_cast<int8_t>(std::max(-128.0f, std::min(127.0f, r)));
           }
         }
       }
@@ -383,24 +387,25 @@ void BMaxPool(const int32_t* input, int64_t batch, int64_t in_h, int64_t in_w,
            .empty()) {
     return;
   }
-  parallel_for(OutPixels(s), k_h * k_w * words + 1, [&](int64_t p0,
-                                                        int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const PixelPos q = Pos(s, p);
-      const int64_t h0 = q.oh * stride_h - s.pad_top;
-      const int64_t w0 = q.ow * stride_w - s.pad_left;
-      int32_t* out = output + p * words;
-      std::fill_n(out, words, ~int32_t{0});
-      for (int64_t ih = std::max<int64_t>(h0, 0);
-           ih < std::min(h0 + k_h, in_h); ++ih) {
-        for (int64_t iw = std::max<int64_t>(w0, 0);
-             iw < std::min(w0 + k_w, in_w); ++iw) {
-          const int32_t* in = input + ((q.n * in_h + ih) * in_w + iw) * words;
-          for (int64_t k = 0; k < words; ++k) out[k] &= in[k];
-        }
-      }
-    }
-  });
+  parallel_for(OutPixels(s), k_h * k_w * words + 1,
+               [&](int64_t p0, int64_t p1) {
+                 for (int64_t p = p0; p < p1; ++p) {
+                   const PixelPos q = Pos(s, p);
+                   const int64_t h0 = q.oh * stride_h - s.pad_top;
+                   const int64_t w0 = q.ow * stride_w - s.pad_left;
+                   int32_t* out = output + p * words;
+                   std::fill_n(out, words, ~int32_t{0});
+                   for (int64_t ih = std::max<int64_t>(h0, 0);
+                        ih < std::min(h0 + k_h, in_h); ++ih) {
+                     for (int64_t iw = std::max<int64_t>(w0, 0);
+                          iw < std::min(w0 + k_w, in_w); ++iw) {
+                       const int32_t* in =
+                           input + ((q.n * in_h + ih) * in_w + iw) * words;
+                       for (int64_t k = 0; k < words; ++k) out[k] &= in[k];
+                     }
+                   }
+                 }
+               });
 }
 
 }  // namespace lce

@@ -88,8 +88,7 @@ class BConv2D {
   int64_t out_w() const;
   int64_t out_channels() const;  // the output tensor's last axis
 
-  void Run(const int32_t* input, void* output,
-           const ParallelFor& parallel_for);
+  void Run(const int32_t* input, void* output, const ParallelFor& parallel_for);
 
   // The implementation the node runs (plan.h's ImplName).
   const char* impl_name() const;

@@ -125,8 +125,7 @@ std::string FlexMap::Parse(const uint8_t* data, size_t size) {
     if (type == kIndirectInt || type == kIndirectUInt ||
         type == kIndirectFloat) {
       uint64_t indirect;
-      if (!r.UInt(slot, map_width, &indirect) ||
-          !r.Back(slot, indirect, &at)) {
+      if (!r.UInt(slot, map_width, &indirect) || !r.Back(slot, indirect, &at)) {
         return bad + " (a value points outside it)";
       }
       value_width = width;

@@ -4,11 +4,11 @@
 // prepare and report what is wrong through the interpreter, which raises it.
 #include <algorithm>
 #include <cmath>
-#include <initializer_list>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <initializer_list>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -18,8 +18,8 @@
 #include "core/plan.h"
 #include "flex_map.h"
 #include "resolver_hook.h"
-#include "thread_pool.h"
 #include "tflite_abi.h"
+#include "thread_pool.h"
 
 namespace tapehook {
 namespace lite {
@@ -112,7 +112,8 @@ std::string InputsAndOutput(Context* context, const Node* node, int n_in,
     return "its input or output tensor is missing";
   }
   for (int i = 0; i < Rank(in[0]); ++i) {
-    if (Dim(in[0], i) < 0) return Describe("input", in[0]) + " has a negative size";
+    if (Dim(in[0], i) < 0)
+      return Describe("input", in[0]) + " has a negative size";
   }
   return "";
 }
@@ -207,10 +208,10 @@ Status DequantizeEval(Context* context, Node* node) {
   } else if (out->type == kInt8) {
     // +1 and -1 quantized, as LCE writes them.
     const int offset = static_cast<int>(std::round(1.0f / out->params.scale));
-    const int8_t zero_bit = static_cast<int8_t>(
-        std::min(127, out->params.zero_point + offset));
-    const int8_t one_bit = static_cast<int8_t>(
-        std::max(-128, out->params.zero_point - offset));
+    const int8_t zero_bit =
+        static_cast<int8_t>(std::min(127, out->params.zero_point + offset));
+    const int8_t one_bit =
+        static_cast<int8_t>(std::max(-128, out->params.zero_point - offset));
     lce::UnpackSignsInt8(words, rows, channels, zero_bit, one_bit,
                          static_cast<int8_t*>(out->data), pf);
   } else {
@@ -229,9 +230,9 @@ struct BConvData {
 };
 
 // Reads the options every LCE op shares; "" or the error.
-std::string ReadInts(const char* buffer, size_t length,
-                     std::initializer_list<std::pair<const char*, int64_t*>>
-                         fields) {
+std::string ReadInts(
+    const char* buffer, size_t length,
+    std::initializer_list<std::pair<const char*, int64_t*>> fields) {
   FlexMap map;
   std::string error =
       map.Parse(reinterpret_cast<const uint8_t*>(buffer), length);
@@ -361,17 +362,18 @@ Status BConvPrepare(Context* context, Node* node) {
   const int64_t filter_dims[4] = {Dim(filter, 0), Dim(filter, 1),
                                   Dim(filter, 2), Dim(filter, 3)};
   try {
-    error = data->conv.Prepare(
-        data->attrs, kind, Dim(input, 0), Dim(input, 1), Dim(input, 2),
-        Dim(input, 3), filter_dims, static_cast<const int32_t*>(filter->data),
-        post_mul, post_bias, thresholds, out->params.scale,
-        out->params.zero_point);
+    error = data->conv.Prepare(data->attrs, kind, Dim(input, 0), Dim(input, 1),
+                               Dim(input, 2), Dim(input, 3), filter_dims,
+                               static_cast<const int32_t*>(filter->data),
+                               post_mul, post_bias, thresholds,
+                               out->params.scale, out->params.zero_point);
   } catch (const std::exception& exc) {  // its buffers did not fit in memory
     error = std::string("preparing failed: ") + exc.what();
   }
   if (!error.empty()) {
-    return Fail(context, op, error + "; " + Describe("input", input) + ", " +
-                                 Describe("filter", filter));
+    return Fail(context, op,
+                error + "; " + Describe("input", input) + ", " +
+                    Describe("filter", filter));
   }
   IntArray* dims = NewIntArray(4);
   dims->data[0] = static_cast<int>(Dim(input, 0));

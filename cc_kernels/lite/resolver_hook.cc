@@ -37,8 +37,7 @@ using DelegatePtr = std::unique_ptr<OpaqueDelegate, void (*)(OpaqueDelegate*)>;
 class OpResolverAbi {
  public:
   virtual const Registration* FindBuiltin(int32_t op, int version) const = 0;
-  virtual const Registration* FindCustom(const char* op,
-                                         int version) const = 0;
+  virtual const Registration* FindCustom(const char* op, int version) const = 0;
   virtual std::vector<DelegatePtr> GetDelegates(int num_threads) const {
     return {};
   }

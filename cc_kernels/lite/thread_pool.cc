@@ -32,7 +32,9 @@ void ThreadPool::Work() {
   uint64_t seen = 0;
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
-    wake_.wait(lock, [&] { return stop_ || (generation_ != seen && next_ < shards_); });
+    wake_.wait(lock, [&] {
+      return stop_ || (generation_ != seen && next_ < shards_);
+    });
     if (stop_) return;
     while (next_ < shards_) {
       const int64_t shard = next_++;
@@ -52,8 +54,8 @@ void ThreadPool::ParallelFor(int64_t total, int64_t cost_per_unit,
                              const std::function<void(int64_t, int64_t)>& fn) {
   if (total <= 0) return;
   const bool small =
-      cost_per_unit >= 0 && total * std::max<int64_t>(cost_per_unit, 1) <
-                                kMinParallelCost;
+      cost_per_unit >= 0 &&
+      total * std::max<int64_t>(cost_per_unit, 1) < kMinParallelCost;
   if (workers_.empty() || total == 1 || small || in_pool) {
     fn(0, total);
     return;
