@@ -380,12 +380,19 @@ def adam_clip_table(data):
 
 
 def batch_norm_table(data):
-    lines = ["| px | batch | feature map | train x | inference x |", "|---|---|---|---|---|"]
+    """One row per feature map, the batch sizes side by side."""
+    batches = sorted({r["batch"] for r in data["rows"]})
+    maps = {}
     for r in data["rows"]:
-        lines.append(
-            f"| {r['size']} | {r['batch']} | {r['side']}x{r['side']}x{r['channels']} "
-            f"| {_x(r['train_x']['median'])} | {_x(r['infer_x']['median'])} |"
-        )
+        maps.setdefault((r["size"], r["side"], r["channels"]), {})[r["batch"]] = r
+    head = ["px", "feature map"]
+    head += [f"{kind} x, batch {b}" for kind in ("train", "inference") for b in batches]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (size, side, channels), by_batch in maps.items():
+        cells = [str(size), f"{side}x{side}x{channels}"]
+        for key in ("train_x", "infer_x"):
+            cells += [_x(by_batch[b][key]["median"]) if b in by_batch else "-" for b in batches]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
@@ -666,18 +673,12 @@ PYTORCH_RUN = (
 MODELS_PYTORCH = """\
 ### Against PyTorch
 
-The same Bi-Real-Net-18 in PyTorch as BNN papers' code writes it
-(`bench/torch_models.py`): signs as autograd functions with their
-pseudo-gradients, `F.conv2d` on sign(x) and mean|W| * sign(W), `nn.BatchNorm2d`,
-`torch.optim.Adam`, the latent kernels clipped after each step;
-`tests/test_bench_models.py` checks its outputs and gradients against the
-larq-style Keras model's. pytorch: NCHW; pytorch-channels-last; pytorch-compile:
-NCHW under `torch.compile` (inductor, C++ on the CPU). PyTorch uses as many
-intra-op threads as TF. tapehook: the stock Keras 3 model binarized
-(`tapehook.binarize`, Keras's batch norm and Adam). `TORCH_ENV` is a virtual
-environment with torch (the CPU build). img/s best is of the fastest round.
-PyTorch's OpenMP threads spin while they wait for work, which costs it most
-when other processes share the cores (as in this run).
+Bi-Real-Net-18 as BNN papers' PyTorch code writes it (`bench/torch_models.py`:
+autograd signs, `F.conv2d` on sign(x) and mean|W| * sign(W), `nn.BatchNorm2d`,
+Adam, kernels clipped; `tests/test_bench_models.py` checks it against the
+Keras model), NCHW, channels-last and `torch.compile`, with TF's thread count.
+tapehook: the stock Keras 3 model binarized. `TORCH_ENV`: a venv with torch
+(CPU build).
 """
 
 MODELS_INTRO = """\

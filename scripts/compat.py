@@ -32,6 +32,7 @@ CPU-heavy stages) run one at a time so their timings are comparable.
 """
 
 import argparse
+import collections
 import concurrent.futures
 import dataclasses
 import datetime
@@ -859,17 +860,13 @@ def write_doc(path, results, upgrade, machine, digest, live, unavailable):
         "",
     ]
     parts += [markdown_table(results), ""]
-    stale = sorted(
-        {
-            f"`{r['name']}` ({r.get('source')}, {r.get('date')})"
-            for r in results
-            if r.get("source") and r.get("source") != digest
-        }
+    stale = collections.Counter(
+        r["source"] for r in results if r.get("source") and r.get("source") != digest
     )
     if stale:
         parts += [
-            "Rows not rerun on this source (shown from their last run, source and date): "
-            + ", ".join(stale),
+            "Rows not rerun on this source, shown from their last run (date in the status "
+            "column): " + ", ".join(f"{n} on source `{src}`" for src, n in sorted(stale.items())),
             "",
         ]
     if unavailable:
