@@ -1,6 +1,7 @@
 """Every example runs, with tiny settings, and really trains binary."""
 
 import importlib.util
+import json
 import pathlib
 
 import pytest
@@ -42,3 +43,25 @@ def test_binarize_resnet():
 def test_v1_graph():
     assert _example("v1_graph").main(["--steps", "60"]) > 0.5
     assert tapehook.dispatch_counts()["compiled"]["backprop_filter"] == 60
+
+
+def test_distill_digits(tmp_path, capsys):
+    """One seed, one epoch per stage: the table prints, and every binary conv
+    of the fully binary stage ran its forward and gradients on the kernels."""
+    module = _example("distill_digits")
+    results, teacher, runs = module.main(
+        "--seeds 1 --epochs 1 --teacher-epochs 3 --variants baseline,reactnet --json".split()
+        + [str(tmp_path / "r.json")]
+    )
+    out = capsys.readouterr().out
+    assert "| reactnet | " in out and "| baseline | " in out and "| float teacher | " in out
+    assert teacher[0] > 0.5 and all(0.3 < a[0] <= 1 for a in results.values())
+    steps = -(-len(module.load_data(8)[0]) // module.BATCH)
+    for name, epochs in (("baseline", 2), ("reactnet", 1)):
+        # 4 binary convs, each with both gradients per step, none on plain TF ops.
+        compiled = runs[name]["compiled"]
+        assert compiled["backprop_filter"] == compiled["backprop_input"] == 4 * steps * epochs
+        assert compiled["forward"] >= 4 * steps * epochs
+        assert runs[name]["reference"] == dict.fromkeys(runs[name]["reference"], 0)
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["variants"]["reactnet"]["test_accuracy"] == results["reactnet"]
