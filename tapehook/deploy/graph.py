@@ -4,17 +4,19 @@ Each binary layer's ``call`` is replaced, while the model is traced once, by
 the inference math of docs/design.md written in stock ops that converters
 know:
 
-    x_hat = where(x >= 0, 1, -1)            binary activations only
+    x_hat = where(x >= 0, 1, -1)            binary activations only (x itself
+                                            where it already is such a where)
     y     = conv(x_hat, S) [* alpha]        S = sign(W) as a ±1 constant
     y     = activation(y + bias)            as the layer does
 
 alpha stays *outside* the ±1 conv: with binary inputs the conv then sums
 exact integers (as tapehook's bitpacked kernel and LCE's bconv do), while
 alpha folded into the filter makes float sums that should be exactly 0 come
-out ±1e-6, and a following sign flips. Every other layer runs its own call.
-The traced function is frozen (variables become constants): LCE 0.16 cannot
-read variables written by TF 2.21, and TF's own converter can keep
-uninitialised ones.
+out ±1e-6, and a following sign flips. Every other layer runs its own call,
+in float32 where its policy computes in float16 or bfloat16. The traced
+function is frozen (variables become constants): LCE 0.16 cannot read
+variables written by TF 2.21, and TF's own converter can keep uninitialised
+ones.
 
 ``filters="float"`` stores S as float constants: what LCE's converter
 matches and packs to 1 bit itself. ``"bits"`` (the SavedModel, LiteRT)
@@ -175,6 +177,35 @@ def sign(x):
     return tf.where(x >= tf.constant(0, dt), tf.constant(1, dt), tf.constant(-1, dt))
 
 
+_PASS_THROUGH = ("Identity", "IdentityN", "Cast")
+
+
+def is_sign(x):
+    """Whether graph tensor ``x`` is a select between the constants 1 and -1
+    (seen through identities and casts): a sign already taken, as by
+    tapehook.recipes' RSign, EDESign and SwishSign. Signing it again would
+    leave LCE's converter a quantize, dequantize, quantize chain in front of
+    the bconv where one quantize does."""
+    op = getattr(x, "op", None)
+    while op is not None and op.type in _PASS_THROUGH:
+        x = op.inputs[x.value_index if op.type == "IdentityN" else 0]
+        op = x.op
+    if op is None or op.type not in ("Select", "SelectV2"):
+        return False
+    branches = [_scalar_constant(t) for t in op.inputs[1:]]
+    return None not in branches and sorted(branches) == [-1.0, 1.0]
+
+
+def _scalar_constant(t):
+    """A graph tensor's value as a float where it is a one-element constant
+    (or the negation of one: reference.sign's -one), else None."""
+    if t.op.type == "Neg":
+        value = _scalar_constant(t.op.inputs[0])
+        return None if value is None else -value
+    value = tf.get_static_value(t)
+    return float(np.ravel(value)[0]) if value is not None and np.size(value) == 1 else None
+
+
 def runtime_zero(x, x_hat, binary_input):
     """A uint8 0 that only the running model knows. Converters constant-fold a
     filter built from constants alone and then fuse alpha's multiply into it
@@ -288,7 +319,7 @@ def binary_call(binary, filters, shared):
     def call(inputs, *args, **kwargs):
         x = tf.convert_to_tensor(inputs)
         dtype = x.dtype
-        x_hat = sign(x) if spec.activation_estimator else x
+        x_hat = sign(x) if spec.activation_estimator and not is_sign(x) else x
         if binary.binary_weights:
             if stored == "float":
                 s = sign_filter(binary.signs, dtype, stored)
@@ -372,13 +403,32 @@ def _input_specs(model):
     )
 
 
+def _float32_policies(model):
+    """{layer: its policy} for the layers of ``model`` that compute in float16
+    or bfloat16 on float32 variables (mixed_float16, mixed_bfloat16). The
+    deploy graph traces them in float32: LiteRT's builtin ops and LCE's bconv
+    take float32, and the weights are float32 already."""
+    found = {}
+    for layer in model._flatten_layers(include_self=True):
+        policy = layer.dtype_policy
+        if (
+            policy.quantization_mode is None
+            and policy.variable_dtype == "float32"
+            and policy.compute_dtype in ("float16", "bfloat16")
+        ):
+            found[layer] = layer._dtype_policy
+    return found
+
+
 def frozen_function(model, filters):
     """(frozen ConcreteFunction of the inference graph, [BinaryLayer])."""
     check_built(model)
     binaries = binary_layers(model)
     specs = _input_specs(model)
-    replaced, shared = [], {}
+    replaced, shared, policies = [], {}, _float32_policies(model)
     try:
+        for layer in policies:
+            layer._dtype_policy = _keras().DTypePolicy("float32")
         for b in binaries:
             models._set(b.layer, "call", binary_call(b, filters, shared))
             replaced.append(b.layer)
@@ -391,6 +441,8 @@ def frozen_function(model, filters):
     finally:
         for layer in replaced:
             del layer.__dict__["call"]
+        for layer, policy in policies.items():
+            layer._dtype_policy = policy
     frozen = convert_variables_to_constants_v2(concrete)
     _check_plain(frozen.graph.as_graph_def(), model)
     return frozen, binaries

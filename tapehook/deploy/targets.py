@@ -93,7 +93,12 @@ def _save(frozen, directory):
 
     module = tf.Module()
     module.serve = serve
-    tf.saved_model.save(module, str(directory), signatures={"serving_default": serve})
+    # The graph serves inference only: a layer's tf.custom_gradient (tapehook's
+    # recipes binarizers) would otherwise have its gradient traced, and refused.
+    options = tf.saved_model.SaveOptions(experimental_custom_gradients=False)
+    tf.saved_model.save(
+        module, str(directory), signatures={"serving_default": serve}, options=options
+    )
 
 
 def _report(path, model, binaries, warned, target):
@@ -225,6 +230,7 @@ def export_tflite(model, path, *, target="litert") -> dict:
     ``target="lce"``: Larq Compute Engine 0.16's converter, run in a cached
     side environment; every binary Conv2D becomes an ``LceBconv2d`` with
     1-bit weights. Models with a weight-only binary Conv2D are refused.
+    Both compute in float32, also for a mixed-precision model.
 
     Returns ``path``, ``bytes``, ``binary_layers``, ``layers`` (per layer:
     binary, spec, float32 bytes), ``ops`` (operator counts in the file),
