@@ -18,6 +18,15 @@ interrupted run continue where it stopped (run the same command again). At
 the end the model is exported for LiteRT and for Larq Compute Engine, and
 each file is run on the validation set by its own interpreter to report its
 accuracy (the LCE export builds LCE's side environment once; docs/deploy.md).
+
+ReActNet's recipe (``--model ReActNetA``) adds two options that work for any
+model: ``--teacher T.keras`` distills from a float model (its logits, or the
+input of its final softmax) with ReActNet's distribution loss alone, and
+``--two-stage`` first trains binary activations with float weights (stage 1,
+checkpoints in ``OUT/stage1``), then the binary model from stage 1's weights,
+each for ``--epochs`` with a fresh schedule.
+
+    python examples/train_zoo.py --model ReActNetA --data DIR --teacher T.keras --two-stage
 """
 
 import argparse
@@ -31,12 +40,14 @@ import tensorflow as tf  # noqa: E402
 
 import tapehook  # noqa: E402
 import tapehook.deploy  # noqa: E402
-from tapehook import zoo  # noqa: E402
+import tapehook.larq as lq  # noqa: E402
+from tapehook import distill, zoo  # noqa: E402
 from tapehook.zoo import preprocessing  # noqa: E402
 
 # larq-zoo's recipes (larq_zoo/training/): (optimizer, peak learning rate,
 # schedule over larq-zoo's epochs). Schedules: ("cosine_warmup", warm-up
 # epochs), ("linear",), ("steps", factor, boundaries) or ("halving", every).
+# weight_decay: L2 on conv kernels, (stage 1, stage 2 or a single stage).
 _QUICKNET = dict(optimizer="quicknet", lr=1e-2, schedule=("cosine_warmup", 5), epochs=600)
 _DENSENET = dict(optimizer="adam", lr=4e-3, schedule=("steps", 0.1, (100, 110)), epochs=120)
 RECIPES = {
@@ -60,6 +71,10 @@ RECIPES = {
     ),
     "DoReFaNet": dict(optimizer="adam", lr=2e-4, schedule=("steps", 0.2, (60, 75, 82)), epochs=90),
     "BinaryAlexNet": dict(optimizer="adam", lr=1e-2, schedule=("halving", 10), epochs=150),
+    # ReActNet's code (mobilenet/*/run.sh, its 256-epoch setting), per stage.
+    "ReActNetA": dict(
+        optimizer="adam", lr=5e-4, schedule=("linear",), epochs=256, weight_decay=(1e-5, 0.0)
+    ),
 }
 
 
@@ -161,15 +176,91 @@ def evaluate_files(model, val, directory, targets):
     return keras_accuracy, accuracies
 
 
-def callbacks(out):
-    """Resume after an interruption, the last and the best model."""
+class SaveModel(keras.callbacks.ModelCheckpoint):
+    """ModelCheckpoint of ``model`` whatever fit trains (a Distiller of its logits)."""
+
+    def __init__(self, filepath, model, **kwargs):
+        super().__init__(filepath, **kwargs)
+        self.saved = model
+
+    def set_model(self, model):
+        super().set_model(self.saved)
+
+
+def callbacks(out, model):
+    """Resume after an interruption, the last and the best ``model``."""
     return [
         keras.callbacks.BackupAndRestore(os.path.join(out, "backup")),
-        keras.callbacks.ModelCheckpoint(os.path.join(out, "last.keras")),
-        keras.callbacks.ModelCheckpoint(
-            os.path.join(out, "best.keras"), monitor="val_accuracy", save_best_only=True
+        SaveModel(os.path.join(out, "last.keras"), model),
+        SaveModel(
+            os.path.join(out, "best.keras"),
+            model,
+            monitor="val_accuracy",
+            mode="max",
+            save_best_only=True,
         ),
     ]
+
+
+def logits(model):
+    """``model``'s logits: the input of a final softmax layer, the log of the
+    output where the last layer has a softmax inside (the same softmax at any
+    temperature), else the output."""
+    last = model.layers[-1]
+    if isinstance(last, keras.layers.Softmax) or (
+        isinstance(last, keras.layers.Activation) and last.activation is keras.activations.softmax
+    ):
+        return keras.Model(model.inputs, last.input, name=f"{model.name}_logits")
+    if getattr(last, "activation", None) is keras.activations.softmax:
+        tiny = keras.ops.convert_to_tensor(np.finfo("float32").tiny)
+        log_p = keras.ops.log(keras.ops.maximum(model.outputs[0], tiny))
+        return keras.Model(model.inputs, log_p, name=f"{model.name}_logits")
+    return model
+
+
+def float_weights(model):
+    """``model`` with float kernels where its larq layers binarize them, the
+    inputs still binarized: ReActNet's stage 1 (the same weights, in order)."""
+
+    def clone(layer):
+        config = layer.get_config()
+        if isinstance(layer, lq.layers.QuantConv2D) and layer.kernel_quantizer is not None:
+            config.update(kernel_quantizer=None, kernel_constraint=None)
+        return type(layer).from_config(config)
+
+    return keras.models.clone_model(model, clone_function=clone)
+
+
+def decay_kernels(model, rate):
+    """ReActNet's weight decay (PyTorch Adam's, added to the gradient):
+    L2(rate / 2) on every conv kernel."""
+    for weight in model.trainable_weights:
+        if rate and len(weight.shape) == 4:
+            weight.regularizer = keras.regularizers.L2(rate / 2)
+
+
+def train_stage(model, teacher, args, data, steps, out, weight_decay):
+    """Fits ``model`` for ``args.epochs``, against ``teacher``'s logits with
+    the distribution loss alone (ReActNet's) when there is one."""
+    train, val = data
+    recipe = RECIPES[args.model]
+    decay_kernels(model, weight_decay)
+    trained, loss = model, "sparse_categorical_crossentropy"
+    if teacher is not None:
+        trained = distill.Distiller(logits(model), logits(teacher), alpha=0.0, beta=1.0)
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    trained.compile(
+        optimizer=optimizer(recipe, args.epochs, steps), loss=loss, metrics=["accuracy"]
+    )
+    os.makedirs(out, exist_ok=True)
+    return trained.fit(
+        train,
+        validation_data=val,
+        epochs=args.epochs,
+        steps_per_epoch=steps,
+        callbacks=callbacks(out, model),
+        verbose=args.verbose,
+    )
 
 
 def main(argv=None):
@@ -185,6 +276,12 @@ def main(argv=None):
         "--steps-per-epoch", type=int, default=None, help="cap on steps per epoch (smoke runs)"
     )
     parser.add_argument("--weights", default=None, help="'imagenet' or a larq-zoo weights file")
+    parser.add_argument(
+        "--teacher", default="none", help="a float .keras model to distill, or none"
+    )
+    parser.add_argument(
+        "--two-stage", action="store_true", help="binary activations first, then binary weights"
+    )
     parser.add_argument("--out", default="train_zoo_out", help="checkpoints and exports")
     parser.add_argument("--deploy", default="litert,lce", help="targets to export ('' for none)")
     parser.add_argument("--verbose", type=int, default=2)
@@ -197,21 +294,20 @@ def main(argv=None):
         steps = min(steps, args.steps_per_epoch)
         train = train.repeat()
     model = build(args.model, args.image_size, len(names), args.weights)
-    model.compile(
-        optimizer=optimizer(RECIPES[args.model], args.epochs, steps),
-        loss="sparse_categorical_crossentropy",
-        metrics=["accuracy"],
-    )
     tapehook.summary(model, print_fn=print if args.verbose else None)
-    os.makedirs(args.out, exist_ok=True)
-    history = model.fit(
-        train,
-        validation_data=val,
-        epochs=args.epochs,
-        steps_per_epoch=steps,
-        callbacks=callbacks(args.out),
-        verbose=args.verbose,
-    )
+    teacher = None if args.teacher == "none" else keras.models.load_model(args.teacher)
+    decays = RECIPES[args.model].get("weight_decay", (0.0, 0.0))
+    if args.two_stage:
+        first = float_weights(model)
+        stage1 = os.path.join(args.out, "stage1")
+        done = os.path.join(stage1, "done.weights.h5")
+        if os.path.exists(done):  # a rerun after stage 1 finished goes on with stage 2
+            first.load_weights(done)
+        else:
+            train_stage(first, teacher, args, (train, val), steps, stage1, decays[0])
+            first.save_weights(done)
+        model.set_weights(first.get_weights())
+    history = train_stage(model, teacher, args, (train, val), steps, args.out, decays[-1])
     targets = [t for t in args.deploy.split(",") if t]
     keras_accuracy, files = evaluate_files(model, val, args.out, targets)
     return dict(

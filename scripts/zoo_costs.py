@@ -17,7 +17,8 @@ GUIDE = pathlib.Path(__file__).resolve().parent.parent / "docs" / "guides" / "zo
 START, END = "<!-- zoo-costs:start -->", "<!-- zoo-costs:end -->"
 
 # Published facts: larq-zoo 2.4's docstring tables (ImageNet top-1, parameters,
-# memory in MB) and, where a paper gives one, its OPs (FLOPs + BOPs / 64).
+# memory in MB) and, where a paper gives one, its OPs (FLOPs + BOPs / 64);
+# ReActNet-A (not in larq-zoo): its paper's top-1 and OPs.
 PUBLISHED = {
     "QuickNetSmall": ("59.4 %", "12,655,688", "4.00"),
     "QuickNet": ("63.3 %", "13,234,088", "4.17"),
@@ -33,6 +34,7 @@ PUBLISHED = {
     "XNORNet": ("44.96 %", "62,396,768", "22.81"),
     "DoReFaNet": ("53.39 %", "62,403,912", "22.84"),
     "BinaryAlexNet": ("36.30 %", "61,859,192", "7.49"),
+    "ReActNetA": ("69.4 % (paper)", "", "", "0.87e8 (Liu et al. 2020)"),
 }
 
 
@@ -46,7 +48,7 @@ def rows():
         "| memory at 1 bit (MiB) | larq-zoo docs (MB) | top-1 (larq-zoo) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for name in zoo.MODELS:
+    for name in (*zoo.MODELS, *zoo.EXTRA_MODELS):
         totals = tapehook.summary(getattr(zoo, name)(), print_fn=None).totals
         top1, params, memory, *paper = PUBLISHED[name]
         lines.append(

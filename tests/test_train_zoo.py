@@ -77,7 +77,7 @@ def test_trains_checkpoints_and_exports(image_folder, tmp_path):
 def test_resumes_after_an_interruption(image_folder, tmp_path, monkeypatch):
     module = _module()
     plain = module.callbacks
-    monkeypatch.setattr(module, "callbacks", lambda out: plain(out) + [_Interrupt()])
+    monkeypatch.setattr(module, "callbacks", lambda out, model: plain(out, model) + [_Interrupt()])
     with pytest.raises(KeyboardInterrupt):
         module.main(_args(image_folder, tmp_path, 3))
     assert (tmp_path / "backup").exists()
@@ -90,4 +90,71 @@ def test_resumes_after_an_interruption(image_folder, tmp_path, monkeypatch):
 def test_recipes_cover_the_zoo():
     from tapehook import zoo
 
-    assert set(_module().RECIPES) == set(zoo.MODELS)
+    assert set(_module().RECIPES) == {*zoo.MODELS, *zoo.EXTRA_MODELS}
+
+
+class _Record(keras.callbacks.Callback):
+    """Each stage's RSign thresholds and stem kernel at its start and end."""
+
+    def __init__(self, model, log):
+        super().__init__()
+        self.watched, self.log = model, log
+
+    def _weights(self):
+        m = self.watched
+        return [
+            m.get_layer("block_1_3x3_rsign").beta.numpy(),
+            m.get_layer("stem_conv").kernel.numpy(),
+        ]
+
+    def on_train_begin(self, logs=None):
+        self.log.append(("begin", self.watched, self._weights()))
+
+    def on_train_end(self, logs=None):
+        self.log.append(("end", self.watched, self._weights()))
+
+
+def test_reactnet_two_stage_distillation(image_folder, tmp_path, monkeypatch):
+    """ReActNet's recipe: a float teacher, stage 1 with float kernels, stage 2
+    binary from stage 1's weights; one step each at 32 px."""
+    import tapehook.larq as lq
+
+    teacher = keras.Sequential(
+        [
+            keras.Input((32, 32, 3)),
+            keras.layers.Conv2D(4, 3),
+            keras.layers.GlobalAveragePooling2D(),
+            keras.layers.Dense(3, activation="softmax"),
+        ]
+    )
+    teacher.save(tmp_path / "teacher.keras")
+    module, log = _module(), []
+    plain = module.callbacks
+    monkeypatch.setattr(module, "callbacks", lambda out, m: plain(out, m) + [_Record(m, log)])
+    args = [
+        "--model", "ReActNetA", "--data", str(image_folder), "--image-size", "32",
+        "--epochs", "1", "--batch-size", "4", "--steps-per-epoch", "1", "--out",
+        str(tmp_path / "out"), "--deploy", "", "--verbose", "0",
+        "--teacher", str(tmp_path / "teacher.keras"), "--two-stage",
+    ]  # fmt: skip
+    result = module.main(args)
+    assert np.isfinite(result["history"]["distillation_loss"]).all()
+    (_, first, start1), (_, _, end1), (_, second, start2), _ = log
+    assert first is not second
+    for before, after, carried in zip(start1, end1, start2):
+        assert not np.array_equal(before, after)  # stage 1 trained them
+        np.testing.assert_array_equal(carried, after)  # stage 2 starts there
+
+    def convs(model):
+        return [layer for layer in model.layers if isinstance(layer, lq.layers.QuantConv2D)]
+
+    assert (tmp_path / "out" / "stage1" / "last.keras").exists()
+    assert len(convs(first)) == 31 and not any(conv.binary_spec.weights for conv in convs(first))
+    for conv in convs(second):
+        assert conv.binary_spec.weights and conv.binary_spec.activations
+        latent = conv.kernel.numpy()
+        with lq.context.quantized_scope(True):
+            binary = np.asarray(conv.kernel)
+        # sign(W) times the mean |W| of each output channel.
+        alpha = np.abs(latent.astype("float64")).mean(axis=(0, 1, 2))
+        np.testing.assert_allclose(binary, np.where(latent >= 0, 1, -1) * alpha, rtol=1e-5)

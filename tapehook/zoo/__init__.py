@@ -8,6 +8,9 @@ architecture, whose binary layers are ``tapehook.larq`` layers.
 file (Keras 2 HDF5, as larq-zoo releases them and tf-keras's
 ``save_weights`` writes them), or ``"imagenet"``: larq-zoo's release file,
 downloaded once into Keras's cache and checked against its SHA-256.
+
+Beyond larq-zoo: ``ReActNetA`` (ReActNet-A, Liu et al. 2020), the same
+arguments, with no ``"imagenet"`` weights (``EXTRA_MODELS``).
 """
 
 from tapehook.zoo.classic import BinaryAlexNet, DoReFaNet, XNORNet
@@ -20,6 +23,7 @@ from tapehook.zoo.densenets import (
 )
 from tapehook.zoo.preprocessing import decode_predictions, preprocess_input
 from tapehook.zoo.quicknet import QuickNet, QuickNetLarge, QuickNetSmall
+from tapehook.zoo.reactnet import ReActNetA
 from tapehook.zoo.resnets import BinaryResNetE18, BiRealNet, RealToBinaryNet
 
 __all__ = [
@@ -37,9 +41,13 @@ __all__ = [
     "XNORNet",
     "DoReFaNet",
     "BinaryAlexNet",
+    "ReActNetA",
     "decode_predictions",
     "preprocess_input",
 ]
 
 MODELS = tuple(__all__[:14])
-"""The model functions' names, in larq-zoo's order."""
+"""larq-zoo's model functions' names, in larq-zoo's order."""
+
+EXTRA_MODELS = ("ReActNetA",)
+"""The model functions larq-zoo does not have (no ImageNet weights)."""
