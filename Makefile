@@ -20,7 +20,7 @@ train: kernels
 	$(PY) examples/train_digits.py
 
 test: kernels
-	TAPEHOOK_KERNELS=compiled $(PY) -m pytest -q tests
+	TAPEHOOK_KERNELS=compiled $(PY) -m pytest -q --durations=25 tests
 
 # The inner loop: stop at the first failure, skip tests marked slow (pytest.ini).
 test-fast: kernels

@@ -246,6 +246,7 @@ def conv2d(
     (patches.py's wrapper found it, marking the filter inside a binary_scope):
     the binary conv."""
     del use_cudnn_on_gpu  # CPU kernels; the GPU ones choose their own
+    spec, filter = reference.balance(spec, filter)  # noqa: A001
     if not isinstance(padding, str):
         raise TapehookError(f"padding must be 'SAME', 'VALID' or 'EXPLICIT', got {padding!r}")
     attrs = {

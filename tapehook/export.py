@@ -17,7 +17,7 @@ import zlib
 import numpy as np
 import tensorflow as tf
 
-from tapehook import marks, models
+from tapehook import marks, models, reference
 from tapehook.errors import TapehookError
 from tapehook.spec import BinarySpec
 
@@ -86,6 +86,23 @@ def _alpha(w, spec, out_axes):
     return (flat.sum(axis=0) / flat.shape[0]).astype(np.float32)
 
 
+def _manifest_spec(spec):
+    """A stored spec: version 1's fields (``balance`` is never stored: a
+    balanced kernel is stored as its binary weights)."""
+    config = models.spec_to_config(spec)
+    del config["balance"]
+    return config
+
+
+def binary_kernel_value(value, spec, out_axes):
+    """The kernel whose signs and alpha a binary layer uses: the latent one,
+    or with ``spec.balance`` the balanced one, computed by the same TF ops
+    as training's forward so that every sign agrees."""
+    if spec.balance is None:
+        return value
+    return reference.balanced_kernel(tf.constant(value), spec.balance, out_axes).numpy()
+
+
 def export_bitpacked(model, path) -> dict:
     """Writes ``model``'s weights to ``path``: binary kernels as packed sign bits
     plus alpha and their BinarySpec, every other weight as it is.
@@ -114,11 +131,16 @@ def export_bitpacked(model, path) -> dict:
                     f"alpha cannot be stored; fix the weights before exporting"
                 )
             out_axes = output_axes(type(layer).__name__)
+            # A balanced kernel is stored as the binary weights it gives, under
+            # the unbalanced spec: W = alpha * sign reproduces them (balancing
+            # that W again would change alpha, and an all-negative row's signs).
+            value = binary_kernel_value(value, spec, out_axes)
+            spec = spec.unbalanced()
             entry.update(
                 kind="binary",
                 layer=layer.name,
                 layer_type=type(layer).__name__,
-                spec=models.spec_to_config(spec),
+                spec=_manifest_spec(spec),
                 output_axes=out_axes,
                 bits=data.add(np.packbits(_sign_rows(value, out_axes), axis=1), "uint8"),
                 alpha=data.add(_alpha(value, spec, out_axes), _ALPHA_DTYPE),
@@ -126,7 +148,7 @@ def export_bitpacked(model, path) -> dict:
         else:
             entry.update(kind="float", value=data.add(value, entry["dtype"]))
             if id(var) in binary:  # weights=False: a float kernel, binary input
-                entry["spec"] = models.spec_to_config(binary[id(var)][1])
+                entry["spec"] = _manifest_spec(binary[id(var)][1])
         entries.append(entry)
     manifest = json.dumps(
         {"format": FORMAT, "version": VERSION, "data_bytes": data.size, "weights": entries},

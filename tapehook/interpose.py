@@ -168,6 +168,7 @@ def mat_mul(spec, a, b, transpose_a=False, transpose_b=False, **_):
     """gen_math_ops.mat_mul with a marked right operand: binary Dense."""
     if transpose_a or transpose_b:
         raise TapehookError("binary Dense supports x @ W without transposes")
+    spec, b = reference.balance(spec, b)
     x, w = _checked(a, b, "Dense")
     return reference.binary_matmul(x, w, spec, _count_backward)
 
@@ -176,6 +177,7 @@ def batch_mat_mul(spec, x, y, adj_x=False, adj_y=False, **_):
     """gen_math_ops.batch_mat_mul_v2 / v3 with a marked right operand."""
     if adj_x or adj_y or y.shape.rank != 2:
         raise TapehookError("binary Dense supports x @ W with a 2-D marked W and no adjoints")
+    spec, y = reference.balance(spec, y)
     xt, w = _checked(x, y, "Dense")
     return reference.binary_matmul(xt, w, spec, _count_backward)
 
@@ -193,6 +195,7 @@ def depthwise_conv2d_native(
 ):
     """gen_nn_ops.depthwise_conv2d_native with a marked filter."""
     _require_nhwc(data_format)
+    spec, filter = reference.balance(spec, filter, output_axes=2)  # noqa: A001
     x, w = _checked(input, filter, "DepthwiseConv2D")
     return reference.binary_depthwise_conv2d(
         x, w, spec, strides, padding, explicit_paddings, dilations, _count_backward

@@ -12,10 +12,9 @@ its math; docs/recipes.md shows them in a model):
   moves during ``fit``; traced steps read the variables, so nothing retraces.
 
 Functions: ``ede_sign(x, k, t)`` and ``balanced_weights(w)`` (IR-Net's
-Libra-PB standardization). The binary convolutions' own kernels do not run
-these yet: a model uses them as separate layers in front of a conv (RSign
-before a conv with float or binary weights; balanced weights in a layer of
-the user's).
+Libra-PB standardization; as a binary conv's own option it is
+``BinarySpec(balance="std")``, which keeps the conv on tapehook's kernels).
+RSign is a layer in front of the conv.
 """
 
 import math
@@ -92,12 +91,7 @@ def balanced_weights(w, epsilon=1e-12):
             f"balanced_weights: kernel of shape {w.shape}; pass a kernel of rank >= 2 "
             f"whose last axis is the output channels"
         )
-    wide = _wide_dtype(w.dtype)
-    w32 = tf.cast(w, wide)
-    axes = list(range(w.shape.rank - 1))
-    centred = w32 - tf.reduce_mean(w32, axis=axes, keepdims=True)
-    var = tf.reduce_mean(tf.square(centred), axis=axes, keepdims=True)
-    return tf.cast(centred * tf.math.rsqrt(var + _as(epsilon, wide)), w.dtype)
+    return reference.balanced_kernel(w, "std", epsilon=epsilon)
 
 
 class _Float32Layer(keras.layers.Layer):

@@ -19,6 +19,7 @@ swish_sign beta (2 - beta t tanh(beta t / 2)) / (1 + cosh(beta t)).
 
 import tensorflow as tf
 
+from tapehook.errors import TapehookError
 from tapehook.spec import clip_threshold
 
 SWISH_BETA = 5.0
@@ -59,6 +60,35 @@ def alpha(w, scale):
     if scale == "mean_abs":
         return tf.stop_gradient(tf.reduce_mean(tf.abs(w), axis=[0, 1, 2]))
     return tf.ones([tf.shape(w)[-1]], w.dtype)
+
+
+def balanced_kernel(w, balance, output_axes=1, epsilon=1e-12):
+    """IR-Net's balanced weights per output channel (the last ``output_axes``
+    axes: 2 for a depthwise kernel): W - mean(W) for ``"mean"``,
+    (W - mean(W)) / sqrt(var(W) + epsilon) for ``"std"`` (population
+    variance), over every other axis. Computed in float32 (float64 for
+    float64 kernels) and cast back; differentiable, so the gradient flows
+    through the mean and the deviation as in IR-Net."""
+    wide = tf.float64 if w.dtype == tf.float64 else tf.float32
+    w_wide = tf.cast(w, wide)
+    axes = list(range(w.shape.rank - output_axes))
+    centred = w_wide - tf.reduce_mean(w_wide, axis=axes, keepdims=True)
+    if balance == "std":
+        var = tf.reduce_mean(tf.square(centred), axis=axes, keepdims=True)
+        centred = centred * tf.math.rsqrt(var + tf.constant(epsilon, wide))
+    return tf.cast(centred, w.dtype)
+
+
+def balance(spec, w, output_axes=1):
+    """(spec, w) for a binary op: with ``spec.balance``, the balanced kernel
+    (its ops recorded like any others, so W's gradient goes through them) and
+    the spec it is binarized with."""
+    if spec.balance is None:
+        return spec, w
+    w = tf.convert_to_tensor(w)
+    if w.shape.rank is None or w.shape.rank <= output_axes:
+        raise TapehookError(f"balance={spec.balance!r} needs a kernel of known rank, got {w.shape}")
+    return spec.unbalanced(), balanced_kernel(w, spec.balance, output_axes)
 
 
 def scaled_sign(w, a):

@@ -21,6 +21,7 @@ def binary_scope(
     weights=True,
     beta=5.0,
     activation_clip=SAME_AS_CLIP,
+    balance=None,
 ):
     """Marks binary every variable created inside the block that can be a
     kernel (2-D Dense, 3-D Conv1D, 4-D Conv2D / DepthwiseConv2D; floating
@@ -40,6 +41,7 @@ def binary_scope(
             weights=weights,
             beta=beta,
             activation_clip=activation_clip,
+            balance=balance,
         )
     )
     allowed = None

@@ -11,7 +11,18 @@ from tapehook.errors import TapehookError
 ESTIMATORS = ("ste_sign", "approx_sign", "swish_sign")
 SCALES = (None, "mean_abs")
 PAD_VALUES = (0.0, 1.0)
-FIELDS = ("activations", "scale", "ste", "clip", "pad_value", "weights", "beta", "activation_clip")
+BALANCES = (None, "mean", "std")
+FIELDS = (
+    "activations",
+    "scale",
+    "ste",
+    "clip",
+    "pad_value",
+    "weights",
+    "beta",
+    "activation_clip",
+    "balance",
+)
 
 
 class _SameAsClip:
@@ -84,6 +95,11 @@ class BinarySpec:
       input is binarized: the first stage of the two-stage BAN recipe.
     - ``beta``: swish_sign's beta, for weights and input.
     - ``activation_clip``: ``ste_sign``'s clip for the input (default: clip).
+    - ``balance``: None, ``"mean"`` or ``"std"`` (IR-Net's balanced weights):
+      the kernel is binarized as W - mean(W), or (W - mean(W)) / std(W), per
+      output channel (``reference.balanced_kernel``); sign, alpha and the
+      estimator's mask are taken there, and the gradient flows through the
+      mean and the deviation to W.
     """
 
     activations: bool | str = False
@@ -94,6 +110,7 @@ class BinarySpec:
     weights: bool = True
     beta: float = 5.0
     activation_clip: float | None = SAME_AS_CLIP
+    balance: str | None = None
 
     def __post_init__(self):
         if self.ste not in ESTIMATORS:
@@ -140,11 +157,25 @@ class BinarySpec:
                 "weights=False keeps the kernel float, so the input must be binary: "
                 "pass activations=True (or an estimator name), or weights=True"
             )
+        if self.balance not in BALANCES:
+            raise TapehookError(
+                f"unknown balance={self.balance!r}; use None, 'mean' (W - mean(W) per "
+                f"output channel) or 'std' (IR-Net: (W - mean(W)) / std(W))"
+            )
+        if not self.weights and self.balance is not None:
+            raise TapehookError(
+                f"balance={self.balance!r} balances binarized weights; with weights=False "
+                f"the kernel stays float: use balance=None"
+            )
         if not self.weights and self.scale is not None:
             raise TapehookError(
                 f"scale={self.scale!r} scales binarized weights; with weights=False "
                 f"the kernel stays float: use scale=None"
             )
+
+    def unbalanced(self) -> "BinarySpec":
+        """The spec the balanced kernel itself is binarized with."""
+        return dataclasses.replace(self, balance=None)
 
     @property
     def activation_estimator(self) -> str | None:

@@ -174,7 +174,7 @@ def test_four_threads_train_different_variables():
         None,
         tapehook.BinarySpec(scale="mean_abs", ste="swish_sign"),
     ]
-    errors, barrier = [], threading.Barrier(4)
+    errors, barrier = [], threading.Barrier(4, timeout=120)  # a failed thread fails the others
 
     def train(i):
         try:

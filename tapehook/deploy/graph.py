@@ -152,10 +152,11 @@ def binary_layers(model):
         if getattr(layer, "groups", 1) != 1:
             raise TapehookError(f"{what} has groups={layer.groups}; use groups=1")
         value = np.asarray(kernel.numpy())
-        w = value.astype(np.float64)
-        if not np.all(np.isfinite(w)):
+        if not np.all(np.isfinite(value.astype(np.float64))):
             raise TapehookError(f"{what}: its kernel holds inf or NaN; fix the weights")
         out_axes = export.output_axes(type(layer).__name__)
+        value = export.binary_kernel_value(value, spec, out_axes)
+        w = value.astype(np.float64)
         alpha = export._alpha(w, spec, out_axes)  # as the compiled kernels compute it
         found.append(BinaryLayer(layer, kind, spec, value, export.sign_bits(w), alpha))
         owned.update(id(c.handle) for c in marks.components(kernel))
