@@ -103,23 +103,25 @@ def time_lite(path, x, repeats):
 
 def measure(name, binary, floating, x, repeats, scratch):
     """Rows of one model: LiteRT float, tapehook's LiteRT binary (small models
-    only), LCE's interpreter and tapehook.lite on the LCE file."""
+    only; with float filters always), LCE's interpreter and tapehook.lite on
+    the LCE file."""
     rows, files = [], {}
-    runs = [("LiteRT float", floating, "litert", "litert")]
+    runs = [("LiteRT float", floating, "litert", "litert", "bits")]
     if name is None:
-        runs.append(("LiteRT binary (tapehook, stock ops)", binary, "litert", "litert"))
+        runs.append(("LiteRT binary (tapehook, stock ops)", binary, "litert", "litert", "bits"))
     runs += [
-        ("LCE binary (LceBconv2d), LCE's interpreter", binary, "lce", "lce"),
-        ("LCE binary, tapehook.lite (tapehook kernels)", binary, "lce", "lite"),
+        ("LiteRT binary, filters='float' (XNNPACK)", binary, "litert", "litert", "float"),
+        ("LCE binary (LceBconv2d), LCE's interpreter", binary, "lce", "lce", "bits"),
+        ("LCE binary, tapehook.lite (tapehook kernels)", binary, "lce", "lite", "bits"),
     ]
     lce_outputs = None
-    for label, model, target, runner in runs:
-        key = (id(model), target)
+    for label, model, target, runner, filters in runs:
+        key = (id(model), target, filters)
         if key not in files:
             path = pathlib.Path(scratch) / f"{len(files)}.tflite"
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the float model has no binary layer
-                files[key] = (path, export_tflite(model, path, target=target))
+                files[key] = (path, export_tflite(model, path, target=target, filters=filters))
         path, report = files[key]
         if runner == "lite":
             outputs, seconds = time_lite(path, x, repeats)

@@ -150,6 +150,49 @@ def test_litert_round_trip(make, tmp_path):
     _assert_matches(run_tflite(tmp_path / "m.tflite", x[:4]), model(x[:4]).numpy())
 
 
+@pytest.mark.parametrize(
+    "make", [digits_model, residual_model, dense_depthwise_model], ids=["digits", "residual", "dd"]
+)
+def test_litert_float_filters(make, tmp_path):
+    """filters="float": +-1 filters as float constants (XNNPACK's fast path),
+    the same outputs as predict (alpha not folded into the filter, so exact
+    zero sums stay zero), a file about float-sized, no run-time unpacking."""
+    model = make(**({"activations": True, "scale": "mean_abs"} if make is digits_model else {}))
+    x = _inputs(model)
+    expected = model.predict(x, verbose=0)
+    small = export_tflite(model, tmp_path / "bits.tflite")
+    fast = export_tflite(model, tmp_path / "float.tflite", filters="float")
+    assert (small["filters"], fast["filters"]) == ("bits", "float")
+    assert "BITWISE_XOR" not in fast["ops"] and "GATHER" not in fast["ops"]
+    assert fast["bytes"] > 4 * small["bytes"]
+    assert _stored_bytes(tmp_path / "float.tflite") >= 0.9 * _weights_bytes(model, 1) - 4096
+    binary_rows = [r for r in fast["layers"] if r["binary"]]
+    assert all(r["kernel_bytes"] >= r["kernel_float32_bytes"] for r in binary_rows)
+    _assert_matches(run_tflite(tmp_path / "float.tflite", x), expected)
+
+
+def test_litert_float_filters_keep_zero_sums(tmp_path):
+    """As test_binary_sum_zero_keeps_sign, with float filters and a scale."""
+    inputs = keras.Input((6, 6, 2))
+    h = keras.layers.Conv2D(16, 3, padding="valid", use_bias=False, name="a")(inputs)
+    h = keras.layers.Conv2D(8, 1, padding="valid", use_bias=False, name="b")(h)
+    model = keras.Model(inputs, h)
+    tapehook.binarize(model, activations=True, scale="mean_abs")
+    x = _inputs(model, n=64)
+    expected = model.predict(x, verbose=0)
+    export_tflite(model, tmp_path / "m.tflite", filters="float")
+    np.testing.assert_allclose(run_tflite(tmp_path / "m.tflite", x), expected, rtol=1e-6)
+
+
+def test_filters_argument_checked(tmp_path):
+    model = digits_model(activations=True)
+    with pytest.raises(tapehook.TapehookError, match="'bits'.*'float'"):
+        export_tflite(model, tmp_path / "m.tflite", filters="int8")
+    with pytest.raises(tapehook.TapehookError, match="LCE's converter always packs"):
+        export_tflite(model, tmp_path / "m.tflite", target="lce", filters="float")
+    assert not (tmp_path / "m.tflite").exists()
+
+
 def test_litert_after_fit_and_scale_none(tmp_path):
     """A model trained with fit (optimizer state, updated BatchNorm) exports
     what predict computes; scale=None has no multiply."""

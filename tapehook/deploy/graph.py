@@ -310,17 +310,22 @@ def _lce_zero_padded(binary, x_hat, s):
 def binary_call(binary, filters, shared):
     """A replacement ``call(inputs)`` computing ``binary``'s layer in plain ops.
 
-    ``filters``: "bits" everywhere, or "lce": float ±1 constants for the
-    layers LCE makes LceBconv2d (its converter packs those), bits elsewhere.
+    ``filters``: "bits" everywhere, "float": float ±1 constants everywhere
+    (XNNPACK runs such convs at float speed; alpha is applied as
+    (0 - y) * -alpha, which converters do not fold into the filter), or
+    "lce": float ±1 constants for the layers LCE makes LceBconv2d (its
+    converter packs those), bits elsewhere.
     ``shared``: a dict for constants all layers of one trace share.
     """
     layer, spec = binary.layer, binary.spec
-    stored = "float" if filters == "lce" and binary.lce_bconv else "bits"
+    stored = "float" if filters == "float" or (filters == "lce" and binary.lce_bconv) else "bits"
 
     def call(inputs, *args, **kwargs):
         x = tf.convert_to_tensor(inputs)
         dtype = x.dtype
         x_hat = sign(x) if spec.activation_estimator and not is_sign(x) else x
+        # A zero-padded SAME conv2d of float filters applies alpha itself.
+        scaled_in_conv = stored == "float" and binary.kind == "conv2d" and _zero_padded(binary, x)
         if binary.binary_weights:
             if stored == "float":
                 s = sign_filter(binary.signs, dtype, stored)
@@ -349,7 +354,7 @@ def binary_call(binary, filters, shared):
                 x_hat, s.shape, strides, layer.padding.upper(), dilations, binary.pad_value
             )
             y = tf.nn.depthwise_conv2d(x_hat, s, [1, *strides, 1], padding, dilations=dilations)
-        elif stored == "float" and _zero_padded(binary, x):
+        elif scaled_in_conv:
             y = _lce_zero_padded(binary, x_hat, s)
         elif binary.kind == "conv1d":
             y = _conv2d(
@@ -369,12 +374,12 @@ def binary_call(binary, filters, shared):
                 list(layer.dilation_rate),
                 binary.pad_value,
             )
-        if (
-            spec.scale is not None
-            and binary.binary_weights
-            and not (stored == "float" and _zero_padded(binary, x))
-        ):
-            y = y * tf.constant(binary.alpha.astype(dtype.as_numpy_dtype))
+        if spec.scale is not None and binary.binary_weights and not scaled_in_conv:
+            alpha = binary.alpha.astype(dtype.as_numpy_dtype)
+            if filters == "float":  # kept out of the constant filter (see above)
+                y = tf.subtract(tf.constant(0, dtype), y) * tf.constant(-alpha)
+            else:
+                y = y * tf.constant(alpha)
         bias = getattr(layer, "bias", None)
         if bias is not None:
             y = y + tf.cast(bias, dtype)
@@ -468,20 +473,23 @@ def _check_plain(graph_def, model):
         )
 
 
-def kernel_bytes(binary, target):
+def kernel_bytes(binary, target, filters="bits"):
     """Bytes a binary layer's kernel takes in the file: LCE's bconv packs 32
-    input channels per int32 word per tap; the other forms store 8 signs per
-    byte; plus alpha (float32 per channel) where a scale is set."""
+    input channels per int32 word per tap; float filters take 4 bytes per
+    sign; bits 8 signs per byte; plus alpha (float32 per channel) where a
+    scale is set."""
     if not binary.binary_weights:
         return binary.kernel.size * binary.kernel.itemsize
     alpha = 4 * binary.alpha.size if binary.spec.scale else 0
+    if filters == "float":
+        return 4 * binary.signs.size + alpha
     if target == "lce" and binary.lce_bconv:
         kh, kw, cin, cout = binary.signs.shape
         return 4 * cout * kh * kw * -(-cin // 32) + alpha
     return -(-binary.signs.size // 8) + alpha
 
 
-def layer_rows(model, binaries, target):
+def layer_rows(model, binaries, target, filters="bits"):
     """One dict per layer with weights: binary or float, spec, float32 bytes
     and, for binary layers, the kernel's bytes in this target."""
     by_id = {id(b.layer): b for b in binaries}
@@ -500,7 +508,7 @@ def layer_rows(model, binaries, target):
         }
         if b is not None:
             row["kernel_float32_bytes"] = b.float32_bytes
-            row["kernel_bytes"] = kernel_bytes(b, target)
+            row["kernel_bytes"] = kernel_bytes(b, target, filters)
             row["op"] = "LceBconv2d" if target == "lce" and b.lce_bconv else "float ops"
         rows.append(row)
     return rows

@@ -101,8 +101,8 @@ def _save(frozen, directory):
     )
 
 
-def _report(path, model, binaries, warned, target):
-    rows = graph.layer_rows(model, binaries, target)
+def _report(path, model, binaries, warned, target, filters="bits"):
+    rows = graph.layer_rows(model, binaries, target, filters)
     report = {
         "path": str(path),
         "bytes": _size(path),
@@ -183,7 +183,7 @@ def _lce_flatbuffer(frozen, scratch):
     return out.read_bytes()
 
 
-def _verify(data, binaries, target, model):
+def _verify(data, binaries, target, model, filters="bits"):
     """Checks the converter's output; returns (op counts, warnings)."""
     counts = flatbuffer.op_counts(data)
     if target == "litert":
@@ -193,7 +193,7 @@ def _verify(data, binaries, target, model):
                 f"the LiteRT file for {model.name} holds custom ops "
                 f"{custom}; LiteRT's stock interpreter cannot run it"
             )
-        packed = sum(b.binary_weights for b in binaries)
+        packed = sum(b.binary_weights for b in binaries) if filters == "bits" else 0
         if counts.get("BITWISE_XOR", 0) != packed:
             # One unpacking per binary layer, else the converter folded a
             # filter back to floats (and may have folded alpha into it).
@@ -221,12 +221,15 @@ def _verify(data, binaries, target, model):
     return counts, notes
 
 
-def export_tflite(model, path, *, target="litert") -> dict:
+def export_tflite(model, path, *, target="litert", filters="bits") -> dict:
     """Writes ``model`` as a .tflite flatbuffer at ``path``.
 
     ``target="litert"``: TensorFlow's own TFLite converter, stock builtin ops
-    only (runs in ``ai_edge_litert``); binary filters are stored as packed
-    sign bits unpacked at run time, alpha as a float multiply.
+    only (runs in ``ai_edge_litert``). ``filters="bits"`` (the smallest
+    file) stores binary filters as packed sign bits unpacked at run time,
+    which XNNPACK cannot take; ``filters="float"`` (the fast file) stores them
+    as float ±1 constants, 32 bits per weight, which XNNPACK runs at float
+    speed. alpha is a float multiply after the conv in both.
     ``target="lce"``: Larq Compute Engine 0.16's converter, run in a cached
     side environment; every binary Conv2D becomes an ``LceBconv2d`` with
     1-bit weights. Models with a weight-only binary Conv2D are refused.
@@ -238,22 +241,33 @@ def export_tflite(model, path, *, target="litert") -> dict:
     """
     if target not in TARGETS:
         raise TapehookError(f"unknown target={target!r}; use 'litert' or 'lce'")
+    if filters not in ("bits", "float"):
+        raise TapehookError(
+            f"unknown filters={filters!r}; use 'bits' (smallest file) or 'float' (fastest)"
+        )
+    if target == "lce" and filters != "bits":
+        raise TapehookError(
+            "filters= chooses how target='litert' stores binary filters; LCE's converter "
+            "always packs them to 1 bit: leave filters='bits'"
+        )
     path = _destination(path, directory=False)
     graph.check_built(model)
     if target == "lce":
         _lce_check(graph.binary_layers(model), model)
-    frozen, binaries = graph.frozen_function(model, filters="bits" if target == "litert" else "lce")
+    frozen, binaries = graph.frozen_function(
+        model, filters=("bits" if filters == "bits" else "float") if target == "litert" else "lce"
+    )
     with _staging(path) as scratch:
         if target == "litert":
             data = _litert_flatbuffer(frozen)
         else:
             data = _lce_flatbuffer(frozen, scratch)
-        counts, notes = _verify(data, binaries, target, model)
+        counts, notes = _verify(data, binaries, target, model, filters)
         staged = scratch / "model.tflite"
         staged.write_bytes(data)
         _place(staged, path)
-    report = _report(path, model, binaries, notes, target)
-    report.update(target=target, ops=counts)
+    report = _report(path, model, binaries, notes, target, filters)
+    report.update(target=target, ops=counts, filters=filters)
     return report
 
 
