@@ -14,7 +14,8 @@ is each model's float twin: the same layers with their quantizers removed.
 The model is a BNN of the usual shape (float stem and head, six binary 3x3
 convs with BatchNorm, scale="mean_abs", pad_value=1 as larq's models use,
 two stride-2 stages). Weights are random:
-latency and size do not depend on training. Each interpreter runs one thread;
+latency and size do not depend on training. Each interpreter runs one thread
+(tapehook.lite also two, for its scaling);
 the median of N invokes is reported. Results: bench/results/deploy.json and a
 table on stdout (and in --notes, a markdown file).
 """
@@ -81,13 +82,13 @@ def float_twin(model):
     return keras.models.clone_model(model, clone_function=clone)
 
 
-def time_lite(path, x, repeats):
+def time_lite(path, x, repeats, threads=1):
     """(outputs of x, median seconds of one batch-1 invoke) in tapehook.lite."""
     import timeit
 
     from tapehook import lite
 
-    interpreter = lite.Interpreter(path, num_threads=1)
+    interpreter = lite.Interpreter(path, num_threads=threads)
     detail = interpreter.get_input_details()[0]
     out = interpreter.get_output_details()[0]["index"]
     interpreter.allocate_tensors()
@@ -113,6 +114,7 @@ def measure(name, binary, floating, x, repeats, scratch):
         ("LiteRT binary, filters='float' (XNNPACK)", binary, "litert", "litert", "float"),
         ("LCE binary (LceBconv2d), LCE's interpreter", binary, "lce", "lce", "bits"),
         ("LCE binary, tapehook.lite (tapehook kernels)", binary, "lce", "lite", "bits"),
+        ("LCE binary, tapehook.lite, 2 threads", binary, "lce", "lite2", "bits"),
     ]
     lce_outputs = None
     for label, model, target, runner, filters in runs:
@@ -123,8 +125,8 @@ def measure(name, binary, floating, x, repeats, scratch):
                 warnings.simplefilter("ignore")  # the float model has no binary layer
                 files[key] = (path, export_tflite(model, path, target=target, filters=filters))
         path, report = files[key]
-        if runner == "lite":
-            outputs, seconds = time_lite(path, x, repeats)
+        if runner.startswith("lite"):
+            outputs, seconds = time_lite(path, x, repeats, threads=2 if runner == "lite2" else 1)
         else:
             outputs, seconds = run_tflite(path, x, target=target, time_repeats=repeats)
         if runner == "lce":
@@ -141,7 +143,9 @@ def measure(name, binary, floating, x, repeats, scratch):
                 "ms_batch1": 1e3 * seconds,
                 "max_abs_diff_vs_predict": float(np.abs(outputs - expected).max()),
                 "max_abs_diff_vs_lce": (
-                    float(np.abs(outputs - lce_outputs).max()) if runner == "lite" else None
+                    float(np.abs(outputs - lce_outputs).max())
+                    if runner.startswith("lite")
+                    else None
                 ),
             }
         )
@@ -182,7 +186,7 @@ def main(argv=None):
         "size": args.size,
         "width": None if args.zoo else args.width,
         "repeats": repeats,
-        "threads": 1,
+        "threads": "1 (tapehook.lite: 1 and 2)",
         "rows": rows,
     }
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -573,8 +573,8 @@ OTHER_BENCHMARKS = [
     (
         "deploy.json",
         "Deployed files",
-        "A small binary convnet exported three ways ([Deploy](deploy.md)), each file run "
-        "by its interpreter on one thread, batch 1.",
+        "A small binary convnet exported each way ([Deploy](deploy.md)), each file run "
+        "by its interpreter on one thread (where not said otherwise), batch 1.",
         "python bench/deploy.py",
         deploy_table,
     ),
@@ -582,9 +582,11 @@ OTHER_BENCHMARKS = [
         "deploy_zoo.json",
         "Zoo models deployed on x86: tapehook.lite against LCE's interpreter and float",
         "QuickNetSmall and Bi-Real-Net at 224 px: the float twin in LiteRT (XNNPACK), the "
-        "LCE file in LCE 0.16's interpreter and in `tapehook.lite` ([Deploy](deploy.md)); "
-        "one thread, batch 1, median of 10.",
-        "python bench/deploy.py --zoo",
+        "binary model's `filters='float'` LiteRT file, the LCE file in LCE 0.16's "
+        "interpreter and in `tapehook.lite` ([Deploy](deploy.md)); one thread where not "
+        "said otherwise, batch 1, median of 10.",
+        "python bench/deploy.py --zoo QuickNetSmall,BiRealNet --size 224 --repeats 10 "
+        "--out bench/results/deploy_zoo.json",
         deploy_zoo_table,
     ),
     (
