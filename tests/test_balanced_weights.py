@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 
 import tapehook
+from tapehook import recipes
 from tapehook.errors import TapehookError
 
 from conftest import MODE_NAMES, assert_close, random_inputs, reference_result, run_mode, upstream
@@ -203,3 +204,25 @@ def test_litert_export_and_bitpacked_equal_predict(tmp_path):
     tapehook.load_bitpacked(fresh, str(tmp_path / "m.thbits"))
     assert tapehook.binary_spec_of(fresh.get_layer("binary_a").kernel).balance is None
     np.testing.assert_allclose(fresh.predict(x, verbose=0), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rsign_and_balanced_weights_stay_on_the_kernels():
+    """ReActNet / IR-Net's pieces together: an RSign in front of a conv with
+    balanced weights trains on tapehook's kernels, and RSign's beta learns."""
+    inputs = keras.Input((8, 8, 3))
+    h = keras.layers.Conv2D(8, 3, padding="same", name="stem")(inputs)
+    h = recipes.RSign(estimator="approx_sign")(h)
+    h = keras.layers.Conv2D(8, 3, padding="same", use_bias=False, name="binary")(h)
+    outputs = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling2D()(h))
+    model = keras.Model(inputs, outputs)
+    tapehook.binarize(model, include="binary", activations=True, scale="mean_abs", balance="std")
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = _data()
+    tapehook.reset_dispatch_counts()
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    counts = tapehook.dispatch_counts()
+    assert counts["compiled"]["forward"] >= 2 and counts["compiled"]["backprop_filter"] >= 2
+    assert counts["compiled"]["backprop_input"] >= 2
+    assert counts["reference"] == dict(forward=0, backprop_input=0, backprop_filter=0)
+    beta = [w for w in model.weights if w.path.endswith("beta")][0]
+    assert np.any(beta.numpy() != 0)
