@@ -33,6 +33,19 @@ class WeightsFile:
         return f"{RELEASES_URL.rstrip('/')}/{self.model}-{self.version}/{self.file}"
 
 
+def release_files(model, version, stem, top, notop, notop_version=None):
+    """larq-zoo's two files of one model, ``<stem>_weights.h5`` and
+    ``<stem>_weights_notop.h5``, by their SHA-256 (``top``, ``notop``).
+
+    ``notop_version``: the release holding the file without the top, where
+    larq-zoo published it again later (default ``version``).
+    """
+    return {
+        "top": WeightsFile(model, version, f"{stem}_weights.h5", top),
+        "notop": WeightsFile(model, notop_version or version, f"{stem}_weights_notop.h5", notop),
+    }
+
+
 def input_shape_for(input_shape, weights, include_top, default_size=224, min_size=32):
     """The model's input shape, by the rules of ``keras.applications``.
 

@@ -27,7 +27,6 @@ import tensorflow as tf
 import tapehook.larq as lq
 from tapehook import layers as th_layers
 from tapehook.zoo import _common
-from tapehook.zoo._common import WeightsFile
 
 __all__ = ["BinaryAlexNet", "DoReFaNet", "XNORNet"]
 
@@ -49,20 +48,14 @@ def _softmax():
 # SAME conv, three 3x3 stride-2 VALID pools (217 -> 55 -> 27 -> 13 -> 6).
 _XNOR_MIN_SIZE = 217
 
-_XNOR_FILES = {
-    "top": WeightsFile(
-        "xnornet",
-        "v0.2.0",
-        "xnornet_weights.h5",
-        "e6ba24f785655260ae76a2ef1fab520e3528243d9c8fac430299cd81dbeabe10",
-    ),
-    "notop": WeightsFile(
-        "xnornet",
-        "v0.2.1",
-        "xnornet_weights_notop.h5",
-        "20a17423090b2c80c6b7a6b62346faa4b2b7dc8d4da99efa792c9351cf86c3d5",
-    ),
-}
+_XNOR_FILES = _common.release_files(
+    "xnornet",
+    "v0.2.0",
+    "xnornet",
+    "e6ba24f785655260ae76a2ef1fab520e3528243d9c8fac430299cd81dbeabe10",
+    "20a17423090b2c80c6b7a6b62346faa4b2b7dc8d4da99efa792c9351cf86c3d5",
+    notop_version="v0.2.1",
+)
 
 
 def _xnor_regularizer():
@@ -164,20 +157,14 @@ _DOREFA_ACTIVATION_BITS = 2
 # (44 -> 9 -> 5 -> 3 -> 1).
 _DOREFA_MIN_SIZE = 44
 
-_DOREFA_FILES = {
-    "top": WeightsFile(
-        "dorefanet",
-        "v0.1.0",
-        "dorefanet_weights.h5",
-        "645d7839d574faa3eeeca28f3115773d75da3ab67ff6876b4de12d10245ecf6a",
-    ),
-    "notop": WeightsFile(
-        "dorefanet",
-        "v0.1.1",
-        "dorefanet_weights_notop.h5",
-        "8650e8a86d8d3968722cf5f20bcebe74d6d7bb45bbf03c4bb8c6486343f37e31",
-    ),
-}
+_DOREFA_FILES = _common.release_files(
+    "dorefanet",
+    "v0.1.0",
+    "dorefanet",
+    "645d7839d574faa3eeeca28f3115773d75da3ab67ff6876b4de12d10245ecf6a",
+    "8650e8a86d8d3968722cf5f20bcebe74d6d7bb45bbf03c4bb8c6486343f37e31",
+    notop_version="v0.1.1",
+)
 
 
 def _dorefa_quantized(layer_cls, *args, **kwargs):
@@ -230,20 +217,14 @@ def DoReFaNet(  # noqa: N802 (larq-zoo's public names)
 # 11x11 stride-4 SAME conv, three 3x3 stride-2 VALID pools (57 -> 15 -> 7 -> 3 -> 1).
 _ALEXNET_MIN_SIZE = 57
 
-_ALEXNET_FILES = {
-    "top": WeightsFile(
-        "binary_alexnet",
-        "v0.3.0",
-        "binary_alexnet_weights.h5",
-        "7fc065c47c5c1d92389e0bb988ce6df6a4fa09d803b866e2ba648069d6652d63",
-    ),
-    "notop": WeightsFile(
-        "binary_alexnet",
-        "v0.2.1",
-        "binary_alexnet_weights_notop.h5",
-        "1d41b33ff39cd28d13679392641bf7711174a96d182417f91df45d0548f5bb47",
-    ),
-}
+_ALEXNET_FILES = _common.release_files(
+    "binary_alexnet",
+    "v0.3.0",
+    "binary_alexnet",
+    "7fc065c47c5c1d92389e0bb988ce6df6a4fa09d803b866e2ba648069d6652d63",
+    "1d41b33ff39cd28d13679392641bf7711174a96d182417f91df45d0548f5bb47",
+    notop_version="v0.2.1",
+)
 
 
 def _alexnet_conv(filters, kernel_size, strides=1, binary_input=True):

@@ -23,7 +23,6 @@ import keras
 import tapehook.larq as lq
 from tapehook import layers as th_layers
 from tapehook.zoo import _common
-from tapehook.zoo._common import WeightsFile
 
 __all__ = [
     "BinaryDenseNet28",
@@ -83,21 +82,15 @@ class _DenseNetConfig:
     files: dict
 
 
-def _densenet_files(number, notop_version="v0.1.0", **sha256):
-    stem = f"binary_densenet_{number}_weights"
-    return {
-        "top": WeightsFile("binary_densenet", "v0.1.0", f"{stem}.h5", sha256["top"]),
-        "notop": WeightsFile("binary_densenet", notop_version, f"{stem}_notop.h5", sha256["notop"]),
-    }
-
-
 _DENSENET28 = _DenseNetConfig(
     name="binary_densenet28",
     blocks=(6, 6, 6, 5),
     reduction=(2.7, 2.7, 2.2),
     dilation=(1, 1, 1, 1),
-    files=_densenet_files(
-        28,
+    files=_common.release_files(
+        "binary_densenet",
+        "v0.1.0",
+        "binary_densenet_28",
         top="21fe3ca03eed244df9c41a2219876fcf03e73800932ec96a3e2a76af4747ac53",
         notop="a376df1e41772c4427edd1856072b934a89bf293bf911438bf6f751a9b2a28f5",
     ),
@@ -107,8 +100,10 @@ _DENSENET37 = _DenseNetConfig(
     blocks=(6, 8, 12, 6),
     reduction=(3.3, 3.3, 4),
     dilation=(1, 1, 1, 1),
-    files=_densenet_files(
-        37,
+    files=_common.release_files(
+        "binary_densenet",
+        "v0.1.0",
+        "binary_densenet_37",
         top="8056a5d52c3ed86a934893987d09a06f59a5166aa9bddcaedb050f111d0a7d76",
         notop="4e12bca9fd27580a5b833241c4eb35d6cc332878c406048e6ca8dbbc78d59175",
     ),
@@ -118,11 +113,13 @@ _DENSENET37_DILATED = _DenseNetConfig(
     blocks=(6, 8, 12, 6),
     reduction=(3.3, 3.3, 4),
     dilation=(1, 1, 2, 4),
-    files=_densenet_files(
-        "37_dilated",
-        notop_version="v0.1.1",
+    files=_common.release_files(
+        "binary_densenet",
+        "v0.1.0",
+        "binary_densenet_37_dilated",
         top="15c1bcd79b8dc22971382fbf79acf364a3f51049d0e584a11533e6fdbb7363d3",
         notop="8b31fbfdc8de08a46c6adcda1ced48ace0a2ff0ce45a05c72b2acc27901dd88b",
+        notop_version="v0.1.1",
     ),
 )
 _DENSENET45 = _DenseNetConfig(
@@ -130,8 +127,10 @@ _DENSENET45 = _DenseNetConfig(
     blocks=(6, 12, 14, 8),
     reduction=(2.7, 3.3, 4),
     dilation=(1, 1, 1, 1),
-    files=_densenet_files(
-        45,
+    files=_common.release_files(
+        "binary_densenet",
+        "v0.1.0",
+        "binary_densenet_45",
         top="d00a0d26fbd2dba1bfba8c0306c770f3aeea5c370e99f963bb239bd916f72c37",
         notop="e72d5cc6b0afe4612f8be7b1f9bb48a53ba2c8468b57bf1266d2900c99fd2adf",
     ),
@@ -324,20 +323,14 @@ def _melius_transition(x, filters, name):
 
 _MELIUS22_BLOCKS = (4, 5, 4, 4)
 _MELIUS22_TRANSITIONS = (160, 224, 256, None)  # 1x1 conv widths after each section
-_MELIUS22_FILES = {
-    "top": WeightsFile(
-        "meliusnet22",
-        "v0.1.0",
-        "meliusnet22_weights.h5",
-        "c1ba85e8389ae326009665ec13331e49fc3df4d0f925fa8553e224f7362c18ed",
-    ),
-    "notop": WeightsFile(
-        "meliusnet22",
-        "v0.1.1",
-        "meliusnet22_weights_notop.h5",
-        "abfc5c50049d72a14e44df0c1cb73896ece2a1ab4bf9bb48fede6cc2f5e0b58f",
-    ),
-}
+_MELIUS22_FILES = _common.release_files(
+    "meliusnet22",
+    "v0.1.0",
+    "meliusnet22",
+    "c1ba85e8389ae326009665ec13331e49fc3df4d0f925fa8553e224f7362c18ed",
+    "abfc5c50049d72a14e44df0c1cb73896ece2a1ab4bf9bb48fede6cc2f5e0b58f",
+    notop_version="v0.1.1",
+)
 
 
 def MeliusNet22(  # noqa: N802 (larq-zoo's public names)

@@ -32,21 +32,15 @@ __all__ = ["QuickNet", "QuickNetLarge", "QuickNetSmall"]
 _CLIP = 1.25  # QuickNet's SteSign and WeightClip bound
 
 
-def _release(stem, top, notop):
-    """larq-zoo's QuickNet v1.0 files of one variant, by their SHA-256."""
-    return {
-        "top": _common.WeightsFile("quicknet", "v1.0", f"{stem}_weights.h5", top),
-        "notop": _common.WeightsFile("quicknet", "v1.0", f"{stem}_weights_notop.h5", notop),
-    }
-
-
 # (section widths, blocks per section, model name, larq-zoo's release files)
 _VARIANTS = {
     "QuickNetSmall": (
         (32, 64, 256, 512),
         (4, 4, 4, 4),
         "quicknet_small",
-        _release(
+        _common.release_files(
+            "quicknet",
+            "v1.0",
             "quicknet_small",
             "1ac3b07df7f5a911dd0b49febb2486428ddf1ca130297c403815dfae5a1c71a2",
             "be8ba657155846be355c5580d1ea56eaf8282616de065ffc39257202f9f164ea",
@@ -56,7 +50,9 @@ _VARIANTS = {
         (64, 128, 256, 512),
         (4, 4, 4, 4),
         "quicknet",
-        _release(
+        _common.release_files(
+            "quicknet",
+            "v1.0",
             "quicknet",
             "8aba9e4e5f8d342faef04a0b2ae8e562da57dbb7d15162e8b3e091c951ba756c",
             "204414e438373f14f6056a1c098249f505a87dd238e18d3a47a9bd8b66227881",
@@ -66,7 +62,9 @@ _VARIANTS = {
         (64, 128, 256, 512),
         (6, 8, 12, 6),
         "quicknet_large",
-        _release(
+        _common.release_files(
+            "quicknet",
+            "v1.0",
             "quicknet_large",
             "c5158e8a59147b31370becd937825f4db8a5cdf308314874f678f596629be45c",
             "adcf154a2a8007e81bd6af77c035ffbf54cd6413b89a0ba294e23e76a82a1b78",

@@ -37,14 +37,6 @@ from tapehook.zoo import _common
 __all__ = ["BiRealNet", "BinaryResNetE18", "RealToBinaryNet"]
 
 
-def _release(model, version, stem, top, notop):
-    """larq-zoo's release files ``<stem>_weights[_notop].h5``, by their SHA-256."""
-    return {
-        key: _common.WeightsFile(model, version, f"{stem}_weights{suffix}.h5", sha256)
-        for key, suffix, sha256 in (("top", "", top), ("notop", "_notop", notop))
-    }
-
-
 def _softmax_head(x, num_classes, **dense):
     x = _common.global_pool(x)
     x = keras.layers.Dense(num_classes, **dense)(x)
@@ -66,7 +58,7 @@ def _downsampling_shortcut(x, filters, batch_norm, padding, names=None):
 # Bi-Real Net
 
 
-_BIREALNET_FILES = _release(
+_BIREALNET_FILES = _common.release_files(
     "birealnet",
     "v0.3.0",
     "birealnet",
@@ -118,7 +110,7 @@ def BiRealNet(  # noqa: N802 (larq-zoo's public names)
 # Binary ResNet-E 18
 
 
-_RESNET_E_FILES = _release(
+_RESNET_E_FILES = _common.release_files(
     "resnet_e",
     "v0.1.0",
     "resnet_e_18",
@@ -181,7 +173,7 @@ def BinaryResNetE18(  # noqa: N802 (larq-zoo's public names)
 _R2B_NAME = "r2b_bnn"
 _R2B_BN = {"momentum": 0.99}
 _R2B_SCALING_REDUCTION = 8  # the rescaling's bottleneck: input channels / 8
-_R2B_FILES = _release(
+_R2B_FILES = _common.release_files(
     "r2b",
     "v0.1.0",
     "r2b",
