@@ -21,8 +21,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
-from sklearn.model_selection import train_test_split  # noqa: E402
 
 import tapehook  # noqa: E402
 import tapehook.deploy  # noqa: E402
@@ -32,6 +30,10 @@ BATCH = 64
 
 def load_data(size):
     """Digits scaled to [-1, 1] and resized to size x size, 25 % held out."""
+    # Imported here: train_zoo.py uses this file's deploy without scikit-learn.
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
     digits = load_digits()
     images = digits.images[..., None].astype("float32") / 8.0 - 1.0
     images = tf.image.resize(images, (size, size)).numpy()
@@ -85,21 +87,25 @@ def train(model, data, epochs, verbose):
     return history.history, accuracy
 
 
-def deploy(model, data, directory, targets):
-    """Exports ``model`` for each target and measures the file's own test
-    accuracy with that target's interpreter."""
-    _, x_test, _, y_test = data
+def file_size(nbytes):
+    return f"{nbytes / 1024:.1f} KiB" if nbytes < 2**20 else f"{nbytes / 2**20:.2f} MiB"
+
+
+def deploy(model, images, labels, prefix, targets, split="test"):
+    """Exports ``model`` for each target to ``<prefix>_<target>.tflite`` and
+    measures the file's own accuracy on ``images`` with that target's
+    interpreter (``split`` names the images in what it prints)."""
     accuracies = {}
     for target in targets:
-        path = os.path.join(directory, f"digits_binary_{target}.tflite")
+        path = f"{prefix}_{target}.tflite"
         report = tapehook.deploy.export_tflite(model, path, target=target)
-        logits = tapehook.deploy.run_tflite(path, x_test, target=target)
-        accuracies[target] = float(np.mean(np.argmax(logits, -1) == y_test))
+        outputs = tapehook.deploy.run_tflite(path, images, target=target)
+        accuracies[target] = float(np.mean(np.argmax(outputs, -1) == labels))
         bconv = report["ops"].get("LceBconv2d")
         print(
-            f"{target:6s} {path}: {report['bytes'] / 1024:.1f} KiB"
+            f"{target:6s} {path}: {file_size(report['bytes'])}"
             + (f", {bconv} LceBconv2d" if bconv is not None else "")
-            + f", test accuracy {accuracies[target]:.4f} (run from the file)"
+            + f", {split} accuracy {accuracies[target]:.4f} (run from the file)"
         )
     return accuracies
 
@@ -167,7 +173,8 @@ def main(argv=None):
     targets = [t for t in args.deploy.split(",") if t]
     if targets:
         directory = args.deploy_dir or tempfile.mkdtemp(prefix="digits-deploy-")
-        deploy(binary_model, data, directory, targets)
+        _, x_test, _, y_test = data
+        deploy(binary_model, x_test, y_test, os.path.join(directory, "digits_binary"), targets)
     return binary_accuracy, float_accuracy
 
 

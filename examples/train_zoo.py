@@ -31,6 +31,7 @@ each for ``--epochs`` with a fresh schedule.
 
 import argparse
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -39,10 +40,12 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tapehook  # noqa: E402
-import tapehook.deploy  # noqa: E402
 import tapehook.larq as lq  # noqa: E402
 from tapehook import distill, zoo  # noqa: E402
 from tapehook.zoo import preprocessing  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_digits import deploy  # noqa: E402
 
 # larq-zoo's recipes (larq_zoo/training/): (optimizer, peak learning rate,
 # schedule over larq-zoo's epochs). Schedules: ("cosine_warmup", warm-up
@@ -161,19 +164,8 @@ def evaluate_files(model, val, directory, targets):
     images, labels = np.stack(images), np.array(labels)
     keras_accuracy = float(np.mean(np.argmax(model.predict(images, verbose=0), -1) == labels))
     print(f"keras  validation accuracy {keras_accuracy:.4f}")
-    accuracies = {}
-    for target in targets:
-        path = os.path.join(directory, f"{model.name}_{target}.tflite")
-        report = tapehook.deploy.export_tflite(model, path, target=target)
-        outputs = tapehook.deploy.run_tflite(path, images, target=target)
-        accuracies[target] = float(np.mean(np.argmax(outputs, -1) == labels))
-        bconv = report["ops"].get("LceBconv2d")
-        print(
-            f"{target:6s} {path}: {report['bytes'] / 2**20:.2f} MiB"
-            + (f", {bconv} LceBconv2d" if bconv is not None else "")
-            + f", validation accuracy {accuracies[target]:.4f} (run from the file)"
-        )
-    return keras_accuracy, accuracies
+    prefix = os.path.join(directory, model.name)
+    return keras_accuracy, deploy(model, images, labels, prefix, targets, split="validation")
 
 
 class SaveModel(keras.callbacks.ModelCheckpoint):
