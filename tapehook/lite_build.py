@@ -17,14 +17,10 @@ import subprocess
 import tempfile
 
 from tapehook.errors import TapehookError
-from tapehook.kernels import cache_root, compiler_version, source_dir
+from tapehook.kernels import _compiler, cache_root, compiler_version, source_dir
 
 LIBRARY_NAME = "libtapehook_lite.so"
 SUBDIRS = ("core", "lite")
-
-
-def _compiler():
-    return os.environ.get("CXX", "g++")
 
 
 def _flags(root):
