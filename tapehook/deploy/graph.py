@@ -178,6 +178,15 @@ def sign(x):
     return tf.where(x >= tf.constant(0, dt), tf.constant(1, dt), tf.constant(-1, dt))
 
 
+def arithmetic_sign(x):
+    """sign(x) as 1 - 2 clip(ceil(-x), 0, 1) (0 and -0.0 give +1): ops
+    XNNPACK runs (NEG, CEIL, MINIMUM / MAXIMUM, MUL, SUB), where LiteRT's
+    GREATER_EQUAL + SELECT_V2 would leave the delegate at every binary layer."""
+    dt = x.dtype
+    step = tf.clip_by_value(tf.math.ceil(-x), tf.constant(0, dt), tf.constant(1, dt))
+    return tf.constant(1, dt) - tf.constant(2, dt) * step
+
+
 _PASS_THROUGH = ("Identity", "IdentityN", "Cast")
 
 
@@ -323,7 +332,9 @@ def binary_call(binary, filters, shared):
     def call(inputs, *args, **kwargs):
         x = tf.convert_to_tensor(inputs)
         dtype = x.dtype
-        x_hat = sign(x) if spec.activation_estimator and not is_sign(x) else x
+        x_hat = x
+        if spec.activation_estimator and not is_sign(x):
+            x_hat = arithmetic_sign(x) if filters == "float" else sign(x)
         # A zero-padded SAME conv2d of float filters applies alpha itself.
         scaled_in_conv = stored == "float" and binary.kind == "conv2d" and _zero_padded(binary, x)
         if binary.binary_weights:
