@@ -125,7 +125,7 @@ def measure(name, binary, floating, x, repeats, scratch):
                 warnings.simplefilter("ignore")  # the float model has no binary layer
                 files[key] = (path, export_tflite(model, path, target=target, filters=filters))
         path, report = files[key]
-        if runner.startswith("lite"):
+        if runner in ("lite", "lite2"):
             outputs, seconds = time_lite(path, x, repeats, threads=2 if runner == "lite2" else 1)
         else:
             outputs, seconds = run_tflite(path, x, target=target, time_repeats=repeats)
@@ -144,7 +144,7 @@ def measure(name, binary, floating, x, repeats, scratch):
                 "max_abs_diff_vs_predict": float(np.abs(outputs - expected).max()),
                 "max_abs_diff_vs_lce": (
                     float(np.abs(outputs - lce_outputs).max())
-                    if runner.startswith("lite")
+                    if runner in ("lite", "lite2")
                     else None
                 ),
             }

@@ -322,8 +322,8 @@ def performance_doc(data, memory, baseline=None):
     out += [
         "## Other benchmarks",
         "",
-        "Whole models (Bi-Real-Net-18, QuickNet-small, against larq 0.14, a larq-style "
-        "composite and float): [Whole models](models.md).",
+        "Bi-Real-Net-18 and QuickNet-small against larq 0.14 and PyTorch: "
+        "[Whole models](models.md).",
         "",
     ]
     for bench in OTHER_BENCHMARKS:
@@ -450,6 +450,23 @@ def padding_table(data):
     return lines
 
 
+def rsign_table(data):
+    """Per shape: each variant's time over the plain conv's, forward and step."""
+    head = ["shape (batch 32)"] + [
+        f"{v} {kind}" for v in ("rsign", "balanced") for kind in ("forward", "step")
+    ]
+    by = {(r["shape"], r["kind"]): r for r in data["rows"]}
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for shape in dict.fromkeys(r["shape"] for r in data["rows"]):
+        cells = [
+            _x(by[(shape, kind)][f"{v}_x_median"])
+            for v in ("rsign", "balanced")
+            for kind in ("forward", "step")
+        ]
+        lines.append(f"| {shape} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def pack_accuracy_table(data):
     names = {"1": "default: e'(x) in 16-bit fixed point", "float32": "float32: x kept"}
     lines = [
@@ -465,14 +482,13 @@ def pack_accuracy_table(data):
 
 def deploy_table(data):
     lines = [
-        "| file | target | bytes | binary layers | LCE binary convs | ms per image "
-        "| max abs diff vs predict |",
-        "|---|---|---|---|---|---|---|",
+        "| file | bytes | LceBconv2d | ms per image | max abs diff vs predict |",
+        "|---|---|---|---|---|",
     ]
     for r in data["rows"]:
         lines.append(
-            f"| {r['name']} | {r['target']} | {r['bytes']:,} | {r['binary_layers']} "
-            f"| {r['bconv']} | {r['ms_batch1']:.2f} | {r['max_abs_diff_vs_predict']:.1e} |"
+            f"| {r['name']} | {r['bytes']:,} | {r['bconv']} | {r['ms_batch1']:.2f} "
+            f"| {r['max_abs_diff_vs_predict']:.1e} |"
         )
     return lines
 
@@ -530,11 +546,10 @@ OTHER_BENCHMARKS = [
     (
         "backprops_amx.json",
         "Binary backprops on AMX and AVX-512 against oneDNN",
-        "Both backprops at Bi-Real-Net-18 / QuickNet-small shapes, batch 32, on ready "
-        "±1 operands, per kernel plan; x = stock time / tapehook time (packed: dW from "
-        "packed bits). The dispatcher's thresholds (`tapehook/dispatch.py`) rest on it, "
-        "on `bench/results/backprops.json` and, for 7x7 and smaller, on "
-        "`backprops_amx_7x7.json` (two runs of `--only 7x7`).",
+        "Both backprops at Bi-Real-Net-18 / QuickNet-small shapes, batch 32, ±1 operands "
+        "ready, per plan; x = stock time / tapehook time (packed: dW from packed bits). "
+        "`tapehook/dispatch.py`'s thresholds rest on it, `backprops.json` and "
+        "`backprops_amx_7x7.json` (two `--only 7x7` runs).",
         "python bench/backprops.py --plans amx,avx512 --sizes 112,224 "
         "--out bench/results/backprops_amx.json",
         backprops_table,
@@ -573,18 +588,16 @@ OTHER_BENCHMARKS = [
     (
         "deploy.json",
         "Deployed files",
-        "A small binary convnet exported each way ([Deploy](deploy.md)), each file run "
-        "by its interpreter on one thread (where not said otherwise), batch 1.",
+        "A small BNN exported each way ([Deploy](deploy.md)); one thread unless said, batch 1.",
         "python bench/deploy.py",
         deploy_table,
     ),
     (
         "deploy_zoo.json",
         "Zoo models deployed on x86: tapehook.lite against LCE's interpreter and float",
-        "QuickNetSmall and Bi-Real-Net at 224 px: the float twin in LiteRT (XNNPACK), the "
-        "binary model's `filters='float'` LiteRT file, the LCE file in LCE 0.16's "
-        "interpreter and in `tapehook.lite` ([Deploy](deploy.md)); one thread where not "
-        "said otherwise, batch 1, median of 10.",
+        "224 px, random weights: the float twin (XNNPACK), the `filters='float'` file, "
+        "the LCE file in LCE 0.16's interpreter and in `tapehook.lite`; one thread unless "
+        "said, batch 1, median of 10.",
         "python bench/deploy.py --zoo QuickNetSmall,BiRealNet --size 224 --repeats 10 "
         "--out bench/results/deploy_zoo.json",
         deploy_zoo_table,
@@ -595,6 +608,15 @@ OTHER_BENCHMARKS = [
         "Median µs per eager call, stock TF; the rows are added time.",
         "python bench/overhead.py",
         overhead_table,
+    ),
+    (
+        "rsign.json",
+        "What RSign and balanced weights cost per binary conv",
+        "A binary 3x3 conv with `RSign` in front (a separate layer) or with "
+        '`balance="std"` (recomputed per call: no packed-filter cache), over the plain '
+        "conv: time / plain time, median.",
+        "python bench/rsign.py",
+        rsign_table,
     ),
     (
         "padding.json",
