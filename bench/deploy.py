@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import sys
 import tempfile
 import warnings
@@ -33,6 +32,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from run import cpu_model  # noqa: E402  (bench/ is on sys.path)
 
 import tapehook  # noqa: E402
 from tapehook.deploy import export_tflite, run_tflite  # noqa: E402
@@ -181,7 +181,7 @@ def main(argv=None):
             floating = build(args.size, args.width, False)
             rows += measure(None, binary, floating, x, repeats, scratch)
     result = {
-        "machine": platform.processor() or platform.machine(),
+        "machine": cpu_model(),
         "python": sys.version,
         "size": args.size,
         "width": None if args.zoo else args.width,

@@ -16,12 +16,12 @@ min and median over reps.
 import argparse
 import json
 import pathlib
-import platform
 import statistics
 
 import numpy as np
 import tensorflow as tf
 from padding import _time  # one timed call, outputs fetched (bench/ is on sys.path)
+from run import cpu_model
 
 import tapehook
 from tapehook import recipes
@@ -113,7 +113,7 @@ def main():
     pathlib.Path(args.out).write_text(
         json.dumps(
             {
-                "machine": platform.processor() or platform.machine(),
+                "machine": cpu_model(),
                 "tf": tf.__version__,
                 "amx_kernels": tapehook.kernel_info()["cpu"].get("amx"),
                 "reps": args.reps,

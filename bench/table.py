@@ -631,12 +631,15 @@ OTHER_BENCHMARKS = [
 
 def other_section(bench):
     name, title, what, command, table = bench
+    data = load(RESULTS / name)
+    machine = data.get("machine") if isinstance(data, dict) else None
+    where = f" Measured on {machine}." if machine and machine not in ("x86_64", "unknown") else ""
     return [
         f"### {title}",
         "",
-        f"{what} From `bench/results/{name}`; rerun: `{command}`.",
+        f"{what} From `bench/results/{name}`; rerun: `{command}`.{where}",
         "",
-        *table(load(RESULTS / name)),
+        *table(data),
         "",
     ]
 
