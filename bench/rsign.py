@@ -4,8 +4,9 @@ Per layer shape, three blocks with the same binary 3x3 conv (binary
 activations, ``scale="mean_abs"``), timed interleaved rep by rep in
 tf.function: ``plain`` binarizes its input itself (approx_sign);
 ``rsign`` puts a ``tapehook.recipes.RSign`` (approx_sign at x - beta) in front
-of it, the conv binarizing the +-1 it gets with ste_sign (which passes the
-gradient through); ``balanced`` is plain with ``balance="std"``. Forward (no
+of it, the conv's input estimator ste_sign (which passes +-1 through), so the
+conv binarizes x - beta itself (conv2d._fold_shifted_sign); ``balanced`` is
+plain with ``balance="std"``. Forward (no
 tape) and a training step (y, dX, dW and the RSign's dbeta under a tape).
 Ratios are variant time / plain time (> 1: the variant costs that much more),
 min and median over reps.
@@ -55,11 +56,11 @@ def _block(variant, batch, size, channels):
     def conv(x):
         return tf.nn.conv2d(rsign(x) if rsign is not None else x, w, 1, "SAME")
 
-    @tf.function
+    @tf.function(autograph=False)
     def forward():
         return conv(x)
 
-    @tf.function
+    @tf.function(autograph=False)
     def step():
         with tf.GradientTape() as tape:
             tape.watch(x)

@@ -8,6 +8,7 @@ any active tape as a "Conv2D" of (x, latent W), so the tape builds its
 gradient through the registered Conv2D gradient, which gradient.py replaces.
 """
 
+import dataclasses
 import warnings
 
 import tensorflow as tf
@@ -19,6 +20,41 @@ from tapehook.packing import pack_input, packable
 from tapehook.spec import BinarySpec
 
 PACKED_RECORD = "TapehookBinaryConv2DPacked"  # tape records that keep bits, not x
+
+# On the output of a sign of a shifted input (tapehook.recipes.RSign): the
+# shifted input t = x - beta and the sign's estimator and clip.
+SHIFTED_SIGN_ATTR = "_tapehook_shifted_sign"
+
+
+def tag_shifted_sign(y, t, estimator, clip):
+    """Records on ``y`` = sign(t) (pseudo-gradient ``estimator`` at t) the
+    t it was taken of, so a binary conv reading ``y`` can binarize t itself
+    (``_fold_shifted_sign``). Only for t of y's dtype; a tensor that takes
+    no attributes stays as it is."""
+    if t.dtype == y.dtype:
+        try:
+            setattr(y, SHIFTED_SIGN_ATTR, (t, estimator, clip))
+        except AttributeError:
+            pass
+
+
+def _fold_shifted_sign(x, spec):
+    """(input, spec) for a conv of x = sign(t) (tag_shifted_sign): the conv
+    binarizes t with the sign's own estimator instead, the same forward and,
+    where the conv's own input estimator passes +-1 through unchanged
+    (ste_sign with a clip of at least 1, or none), the same gradients: the
+    mask e'(t) applied inside the conv's backward, then the shift's. The
+    sign op itself is left without a consumer, which graphs prune; x's
+    binarization and its backward no longer cost a pass of their own."""
+    shifted = x.__dict__.get(SHIFTED_SIGN_ATTR) if hasattr(x, "__dict__") else None
+    if shifted is None or spec.activation_estimator != "ste_sign":
+        return x, spec
+    if spec.activation_clip is not None and spec.activation_clip < 1:
+        return x, spec
+    t, estimator, clip = shifted
+    if estimator == "swish_sign" and spec.beta != reference.SWISH_BETA:
+        return x, spec  # the spec's beta is the weights' too
+    return t, dataclasses.replace(spec, activations=estimator, activation_clip=clip)
 
 
 def _check(x, w, attrs):
@@ -247,6 +283,7 @@ def conv2d(
     the binary conv."""
     del use_cudnn_on_gpu  # CPU kernels; the GPU ones choose their own
     spec, filter = reference.balance(spec, filter)  # noqa: A001
+    input, spec = _fold_shifted_sign(input, spec)  # noqa: A001
     if not isinstance(padding, str):
         raise TapehookError(f"padding must be 'SAME', 'VALID' or 'EXPLICIT', got {padding!r}")
     attrs = {

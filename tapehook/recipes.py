@@ -23,7 +23,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tapehook import reference
+from tapehook import conv2d, reference
 from tapehook.errors import TapehookError
 from tapehook.spec import ESTIMATORS
 
@@ -161,9 +161,12 @@ class RSign(_Float32Layer):
     def call(self, inputs):
         x = self._wide(inputs)
         t = x - tf.cast(self.beta, x.dtype)
-        return self._back(
+        y = self._back(
             _sign_with(t, lambda u: reference.estimator_grad(self.estimator, u, self.clip))
         )
+        # A binary conv reading y binarizes t itself (conv2d._fold_shifted_sign).
+        conv2d.tag_shifted_sign(y, t, self.estimator, self.clip)
+        return y
 
     def get_config(self):
         return {
