@@ -131,6 +131,10 @@ class RSign(_Float32Layer):
     dbeta = -sum over every other axis of dy * e'(t), with e' the estimator's
     (``"ste_sign"``: 1{|t| <= clip}, clip None: no mask; ``"approx_sign"``:
     (2 - 2|t|) 1{|t| <= 1}; ``"swish_sign"``: beta 5, as BinarySpec).
+
+    A binary Conv2D reading y whose input estimator passes +-1 through
+    (``ste_sign`` with a clip of at least 1) binarizes x - beta itself, with
+    this estimator: the same results without a pass for the sign.
     """
 
     def __init__(
