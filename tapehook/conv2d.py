@@ -46,7 +46,7 @@ def _fold_shifted_sign(x, spec):
     mask e'(t) applied inside the conv's backward, then the shift's. The
     sign op itself is left without a consumer, which graphs prune; x's
     binarization and its backward no longer cost a pass of their own."""
-    shifted = x.__dict__.get(SHIFTED_SIGN_ATTR) if hasattr(x, "__dict__") else None
+    shifted = marks.tensor_attribute(x, SHIFTED_SIGN_ATTR)
     if shifted is None or spec.activation_estimator != "ste_sign":
         return x, spec
     if spec.activation_clip is not None and spec.activation_clip < 1:

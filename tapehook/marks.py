@@ -202,7 +202,7 @@ def binary_spec_of(obj):
     if var is None:
         return None
     comps = components(var)
-    return _attribute(comps[0].handle, _SPEC_ATTR) if comps else None
+    return tensor_attribute(comps[0].handle, _SPEC_ATTR) if comps else None
 
 
 def source_variable(obj):
@@ -214,11 +214,11 @@ def source_variable(obj):
     if isinstance(obj, _PLAIN_TYPES):
         return None
     if isinstance(obj, tf.Tensor):
-        return _attribute(obj, SOURCE_ATTR)
+        return tensor_attribute(obj, SOURCE_ATTR)
     return obj if is_variable(obj) else None
 
 
-def _attribute(tensor, name):
+def tensor_attribute(tensor, name):
     """``getattr(tensor, name, None)`` for the attributes tapehook sets on
     tensors, from the instance dict: a miss through tf.Tensor.__getattr__
     raises and catches an AttributeError, and every op of a process with marks

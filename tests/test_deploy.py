@@ -171,19 +171,6 @@ def test_litert_float_filters(make, tmp_path):
     _assert_matches(run_tflite(tmp_path / "float.tflite", x), expected)
 
 
-def test_litert_float_filters_keep_zero_sums(tmp_path):
-    """As test_binary_sum_zero_keeps_sign, with float filters and a scale."""
-    inputs = keras.Input((6, 6, 2))
-    h = keras.layers.Conv2D(16, 3, padding="valid", use_bias=False, name="a")(inputs)
-    h = keras.layers.Conv2D(8, 1, padding="valid", use_bias=False, name="b")(h)
-    model = keras.Model(inputs, h)
-    tapehook.binarize(model, activations=True, scale="mean_abs")
-    x = _inputs(model, n=64)
-    expected = model.predict(x, verbose=0)
-    export_tflite(model, tmp_path / "m.tflite", filters="float")
-    np.testing.assert_allclose(run_tflite(tmp_path / "m.tflite", x), expected, rtol=1e-6)
-
-
 def test_filters_argument_checked(tmp_path):
     model = digits_model(activations=True)
     with pytest.raises(tapehook.TapehookError, match="'bits'.*'float'"):
@@ -254,9 +241,11 @@ def test_litert_sequential_and_subclassed(kind, tmp_path):
     _assert_matches(run_tflite(tmp_path / "m.tflite", x), expected)
 
 
-def test_binary_sum_zero_keeps_sign(tmp_path):
+@pytest.mark.parametrize("filters", ["bits", "float"])
+def test_binary_sum_zero_keeps_sign(filters, tmp_path):
     """A sign right after a binary conv whose integer sum is often exactly 0
-    (even fan-in, no bias): the exported file must give +1 there, as tapehook."""
+    (even fan-in, no bias): the exported file must give +1 there, as tapehook,
+    with packed and with float filters (where alpha must stay out of them)."""
     inputs = keras.Input((6, 6, 2))
     h = keras.layers.Conv2D(16, 3, padding="valid", use_bias=False, name="a")(inputs)
     h = keras.layers.Conv2D(8, 1, padding="valid", use_bias=False, name="b")(h)
@@ -264,7 +253,7 @@ def test_binary_sum_zero_keeps_sign(tmp_path):
     tapehook.binarize(model, activations=True, scale="mean_abs")
     x = _inputs(model, n=64)
     expected = model.predict(x, verbose=0)
-    export_tflite(model, tmp_path / "m.tflite")
+    export_tflite(model, tmp_path / "m.tflite", filters=filters)
     np.testing.assert_allclose(run_tflite(tmp_path / "m.tflite", x), expected, rtol=1e-6)
 
 
