@@ -13,7 +13,9 @@ plain binary network:
   against the teacher's logits alone (no label loss);
 - ``two_stage``: binary activations with float weights first, then fully
   binary from stage 1's weights, each stage half of the epochs;
-- ``reactnet``: all three.
+- ``balanced``: IR-Net's balanced weights (``balance="std"``);
+- ``reactnet``: rsign, distill and two_stage; ``reactnet-<piece>``: those
+  three but one; ``reactnet+balanced``: all four.
 
 Every variant trains for the same number of epochs (Adam, cosine decay) on
 the same split; only the seed of initialization and shuffling changes.
@@ -39,13 +41,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_digits import load_data  # noqa: E402
 
 BATCH = 64
-PIECES = ("rsign", "distill", "two_stage")
+PIECES = ("rsign", "distill", "two_stage")  # ReActNet's
 VARIANTS = {
     "baseline": (),
-    "rsign": ("rsign",),
-    "distill": ("distill",),
-    "two_stage": ("two_stage",),
+    **{piece: (piece,) for piece in (*PIECES, "balanced")},
     "reactnet": PIECES,
+    **{f"reactnet-{piece}": tuple(p for p in PIECES if p != piece) for piece in PIECES},
+    "reactnet+balanced": (*PIECES, "balanced"),
 }
 
 
@@ -111,7 +113,8 @@ def train_student(pieces, args, data, teacher, seed):
     if "two_stage" in pieces:
         tapehook.binarize(student, include="binary*", activations=True, weights=False)
         fit(student, data, args.epochs, args.lr, teacher)
-    tapehook.binarize(student, include="binary*", activations=True)
+    balance = "std" if "balanced" in pieces else None
+    tapehook.binarize(student, include="binary*", activations=True, balance=balance)
     tapehook.reset_dispatch_counts()
     epochs = args.epochs if "two_stage" in pieces else 2 * args.epochs
     accuracy = fit(student, data, epochs, args.lr, teacher)

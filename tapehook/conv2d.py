@@ -22,39 +22,73 @@ from tapehook.spec import BinarySpec
 PACKED_RECORD = "TapehookBinaryConv2DPacked"  # tape records that keep bits, not x
 
 # On the output of a sign of a shifted input (tapehook.recipes.RSign): the
-# shifted input t = x - beta and the sign's estimator and clip.
+# ShiftedSign it was taken of.
 SHIFTED_SIGN_ATTR = "_tapehook_shifted_sign"
 
 
-def tag_shifted_sign(y, t, estimator, clip):
-    """Records on ``y`` = sign(t) (pseudo-gradient ``estimator`` at t) the
-    t it was taken of, so a binary conv reading ``y`` can binarize t itself
-    (``_fold_shifted_sign``). Only for t of y's dtype; a tensor that takes
-    no attributes stays as it is."""
+@dataclasses.dataclass(frozen=True)
+class ShiftedSign:
+    """sign(t), t = x - beta (beta per channel), pseudo-gradient
+    ``estimator`` at t with ``clip``."""
+
+    t: tf.Tensor
+    x: tf.Tensor
+    beta: tf.Tensor
+    estimator: str
+    clip: float | None
+
+
+def tag_shifted_sign(y, x, beta, t, estimator, clip):
+    """Records on ``y`` = sign(t), t = x - beta (pseudo-gradient
+    ``estimator`` at t) what it was taken of, so a binary conv reading ``y``
+    can binarize t itself (``_fold_shifted_sign``). Only for t of y's dtype;
+    a tensor that takes no attributes stays as it is."""
     if t.dtype == y.dtype:
         try:
-            setattr(y, SHIFTED_SIGN_ATTR, (t, estimator, clip))
+            setattr(y, SHIFTED_SIGN_ATTR, ShiftedSign(t, x, beta, estimator, clip))
         except AttributeError:
             pass
 
 
 def _fold_shifted_sign(x, spec):
-    """(input, spec) for a conv of x = sign(t) (tag_shifted_sign): the conv
-    binarizes t with the sign's own estimator instead, the same forward and,
-    where the conv's own input estimator passes +-1 through unchanged
-    (ste_sign with a clip of at least 1, or none), the same gradients: the
-    mask e'(t) applied inside the conv's backward, then the shift's. The
-    sign op itself is left without a consumer, which graphs prune; x's
-    binarization and its backward no longer cost a pass of their own."""
+    """(input, spec, shifted) for a conv of x = sign(t) (tag_shifted_sign):
+    the conv binarizes t with the sign's own estimator instead, the same
+    forward and, where the conv's own input estimator passes +-1 through
+    unchanged (ste_sign with a clip of at least 1, or none), the same
+    gradients: the mask e'(t) applied inside the conv's backward, then the
+    shift's. The sign op itself is left without a consumer, which graphs
+    prune; x's binarization and its backward no longer cost a pass of their
+    own. ``shifted``: the ShiftedSign folded (None where none was), which
+    lets an inference forward take x and beta instead of t."""
     shifted = marks.tensor_attribute(x, SHIFTED_SIGN_ATTR)
     if shifted is None or spec.activation_estimator != "ste_sign":
-        return x, spec
+        return x, spec, None
     if spec.activation_clip is not None and spec.activation_clip < 1:
-        return x, spec
-    t, estimator, clip = shifted
-    if estimator == "swish_sign" and spec.beta != reference.SWISH_BETA:
-        return x, spec  # the spec's beta is the weights' too
-    return t, dataclasses.replace(spec, activations=estimator, activation_clip=clip)
+        return x, spec, None
+    if shifted.estimator == "swish_sign" and spec.beta != reference.SWISH_BETA:
+        return x, spec, None  # the spec's beta is the weights' too
+    spec = dataclasses.replace(spec, activations=shifted.estimator, activation_clip=shifted.clip)
+    return shifted.t, spec, shifted
+
+
+def _threshold(shifted, x, attrs, recording):
+    """[beta] where the forward may binarize x - beta itself (x the
+    ShiftedSign's unshifted input), else []: a graph built for inference
+    (no tape recording: a training step keeps t for its backward anyway),
+    float32, CPU kernels, and padding that holds zeros (one-padding pads
+    t, not x)."""
+    if (
+        shifted is None
+        or recording
+        or tf.executing_eagerly()  # t exists already: RSign computed it
+        or x.dtype != tf.float32
+        or shifted.x.dtype != tf.float32
+        or shifted.x.shape.rank != 4
+        or kernels.gpu_visible()
+        or attrs["data_format"] != "NHWC"
+    ):
+        return []
+    return [tf.cast(shifted.beta, tf.float32)]
 
 
 def _check(x, w, attrs):
@@ -129,8 +163,9 @@ def _record(x, w, y, attrs, packed):
     )
 
 
-def binary_conv2d(x, w, spec: BinarySpec, attrs: dict, name=None):
-    """y = conv2d(x_hat, alpha * sign(w)) with the binary backward attached."""
+def binary_conv2d(x, w, spec: BinarySpec, attrs: dict, name=None, shifted=None):
+    """y = conv2d(x_hat, alpha * sign(w)) with the binary backward attached.
+    ``shifted``: the ShiftedSign x is the t of (_fold_shifted_sign), if any."""
     with tf.name_scope(name or "BinaryConv2D"):
         x = tf.convert_to_tensor(x)
         w = tf.convert_to_tensor(w)
@@ -159,6 +194,8 @@ def binary_conv2d(x, w, spec: BinarySpec, attrs: dict, name=None):
                 on_backward=lambda: counts.count_reference(backprop_input=1, backprop_filter=1),
             )
         recording = execute.must_record_gradient()
+        # An inference graph binarizes x - beta in the conv (no pass for t).
+        threshold = _threshold(shifted, x, attrs, recording)
         with record.stop_recording():
             # Inference (no tape recording) lets the forward keep its packed
             # filter (bitpacked, or the AMX GEMM's sign(W) for a float input)
@@ -166,7 +203,13 @@ def binary_conv2d(x, w, spec: BinarySpec, attrs: dict, name=None):
             # variable read elsewhere to a new buffer (see the op's
             # cache_filter). A training step would only pay a copy.
             y = library.tapehook_binary_conv2d(
-                x, w, **attrs, **spec.op_attrs(), cache_filter=not recording, plan=plan
+                shifted.x if threshold else x,
+                w,
+                threshold=threshold,
+                **attrs,
+                **spec.op_attrs(),
+                cache_filter=not recording,
+                plan=plan,
             )
             # With binary activations the backward needs only sign(x) and e'(x):
             # keep those bits, not x (packing.py). Graph gradients of the op
@@ -205,7 +248,13 @@ def fold_output_affine(y, affine):
         return None
     multiplier, offset = affine()
     return kernels.library().tapehook_binary_conv2d_affine(
-        op.inputs[0], op.inputs[1], multiplier, offset, relu=relu, **kernels.binary_op_attrs(op)
+        op.inputs[0],
+        op.inputs[1],
+        multiplier,
+        offset,
+        threshold=kernels.op_threshold(op),
+        relu=relu,
+        **kernels.binary_op_attrs(op),
     )
 
 
@@ -224,13 +273,14 @@ def fold_residual_add(y, addend):
         return None
     if addend.shape.rank != 4 or addend.shape != y.shape or not y.shape[1:].is_fully_defined():
         return None  # the same static shape; only the batch may be unknown (checked at run time)
-    x, w, multiplier, offset = op.inputs
+    x, w, multiplier, offset = op.inputs[:4]
     return kernels.library().tapehook_binary_conv2d_affine_add(
         x,
         w,
         multiplier,
         offset,
         addend,
+        threshold=kernels.op_threshold(op),
         relu=op.get_attr("relu"),
         **kernels.binary_op_attrs(op),
     )
@@ -251,7 +301,8 @@ def recompute_output(y):
     if op.type != kernels.BINARY_OP or kernels.gpu_visible():
         return None
     packed = getattr(op, "_tapehook_packed_input", None)
-    x, w = op.inputs
+    x, w = op.inputs[:2]
+    threshold = kernels.op_threshold(op)
     attrs = kernels.binary_op_attrs(op)
 
     def rebuild(after):
@@ -260,8 +311,10 @@ def recompute_output(y):
         # output as long as y.
         with tf.control_dependencies(after):
             # sign(x) as +-1: the forward binarizes it to the same bits.
-            source = packed.unpack()[0] if packed is not None else gradient.forward_input(x, [])
-            return kernels.library().tapehook_binary_conv2d(source, w, **attrs)
+            if packed is not None:  # (of x - threshold where there is one)
+                return kernels.library().tapehook_binary_conv2d(packed.unpack()[0], w, **attrs)
+            source = gradient.forward_input(x, [])
+            return kernels.library().tapehook_binary_conv2d(source, w, threshold=threshold, **attrs)
 
     return rebuild
 
@@ -283,7 +336,7 @@ def conv2d(
     the binary conv."""
     del use_cudnn_on_gpu  # CPU kernels; the GPU ones choose their own
     spec, filter = reference.balance(spec, filter)  # noqa: A001
-    input, spec = _fold_shifted_sign(input, spec)  # noqa: A001
+    input, spec, shifted = _fold_shifted_sign(input, spec)  # noqa: A001
     if not isinstance(padding, str):
         raise TapehookError(f"padding must be 'SAME', 'VALID' or 'EXPLICIT', got {padding!r}")
     attrs = {
@@ -306,4 +359,5 @@ def conv2d(
             attrs["dilations"],
             spec.pad_value,
         )
-    return binary_conv2d(input, filter, spec, attrs, name=name)
+        shifted = None
+    return binary_conv2d(input, filter, spec, attrs, name=name, shifted=shifted)

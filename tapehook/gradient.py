@@ -186,19 +186,41 @@ def conv2d_grad(op, grad):
     return binary_backward(x, op.inputs[1], grad, spec, conv_attrs(op.get_attr), skip)
 
 
+def _shifted_input(op, x):
+    """What the backward of a forward op binarized: its input x, or
+    x - threshold where the op has a threshold (RSign folded in)."""
+    threshold = kernels.op_threshold(op)
+    return x - threshold[0] if threshold else x
+
+
+def _threshold_grad(op, dx):
+    """(The threshold's gradient,) or (): d(x - beta)/dbeta = -1, summed
+    over every axis but the channels."""
+    if not kernels.op_threshold(op):
+        return ()
+    return (None if dx is None else -tf.reduce_sum(dx, [0, 1, 2]),)
+
+
 def binary_conv2d_affine_op_grad(op, grad):
     """Gradient of a TapehookBinaryConv2DAffine op (an inference batch norm
     folded into a binary conv, built where no tape recorded: what
     tf.gradients on such a graph asks for). The conv's output is recomputed
     for the ReLU mask and the multiplier's gradient."""
+    dx, dw, dmultiplier, doffset = _affine_grads(op, grad)
+    return (dx, dw, dmultiplier, doffset, *_threshold_grad(op, dx))
+
+
+def _affine_grads(op, grad):
     x, w, multiplier = op.inputs[:3]
     spec, attrs = BinarySpec.from_op_attrs(op.get_attr), conv_attrs(op.get_attr)
-    conv = kernels.library().tapehook_binary_conv2d(x, w, **kernels.binary_op_attrs(op))
+    conv = kernels.library().tapehook_binary_conv2d(
+        x, w, threshold=kernels.op_threshold(op), **kernels.binary_op_attrs(op)
+    )
     pre = tf.nn.relu(conv) if op.get_attr("relu") else conv
     d_pre = grad * multiplier
     if op.get_attr("relu"):
         d_pre = tf.where(conv > 0, d_pre, tf.zeros_like(d_pre))
-    dx, dw = binary_backward(x, w, d_pre, spec, attrs)
+    dx, dw = binary_backward(_shifted_input(op, x), w, d_pre, spec, attrs)
     axes = [0, 1, 2]
     return dx, dw, tf.reduce_sum(grad * pre, axes), tf.reduce_sum(grad, axes)
 
@@ -207,14 +229,29 @@ def binary_conv2d_affine_add_op_grad(op, grad):
     """Gradient of a TapehookBinaryConv2DAffineAdd op (the affine op's
     output plus an addend: a residual add folded in too): the affine op's
     gradients, and the addend's, ``grad`` itself."""
-    return (*binary_conv2d_affine_op_grad(op, grad), grad)
+    dx, dw, dmultiplier, doffset = _affine_grads(op, grad)
+    return (dx, dw, dmultiplier, doffset, grad, *_threshold_grad(op, dx))
 
 
 def binary_conv2d_op_grad(op, grad):
     """Gradient of a TapehookBinaryConv2D graph op: the spec is in its attrs,
-    the input's bits (binary activations) on the op when it was built here."""
+    the input's bits (binary activations) on the op when it was built here
+    (of x - threshold where it has one)."""
     skip = tuple(getattr(op, "skip_input_indices", None) or ())
-    x = getattr(op, "_tapehook_packed_input", None) or forward_input(op.inputs[0], [grad])
-    return binary_backward(
-        x, op.inputs[1], grad, BinarySpec.from_op_attrs(op.get_attr), conv_attrs(op.get_attr), skip
+    x = getattr(op, "_tapehook_packed_input", None) or _shifted_input(
+        op, forward_input(op.inputs[0], [grad])
     )
+    backward_skip = skip
+    if kernels.op_threshold(op) and 2 not in skip:
+        # dX is also what the threshold's gradient sums.
+        backward_skip = tuple(i for i in skip if i != 0)
+    dx, dw = binary_backward(
+        x,
+        op.inputs[1],
+        grad,
+        BinarySpec.from_op_attrs(op.get_attr),
+        conv_attrs(op.get_attr),
+        backward_skip,
+    )
+    threshold_grad = _threshold_grad(op, dx)
+    return (None if 0 in skip else dx, dw, *threshold_grad)

@@ -16,6 +16,7 @@ asks for it.
 
 import ctypes
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -56,8 +57,19 @@ def backprop_dy() -> str:
 
 def binary_op_attrs(op) -> dict:
     """The attrs of a TapehookBinaryConv2D(Affine, AffineAdd) op that its
-    plain forward takes (all but the inferred T and the affine ops' relu)."""
-    return {name: op.get_attr(name) for name in op.node_def.attr if name not in ("T", "relu")}
+    plain forward takes (all but the inferred T and num_threshold, and the
+    affine ops' relu)."""
+    skip = ("T", "num_threshold", "relu")
+    return {name: op.get_attr(name) for name in op.node_def.attr if name not in skip}
+
+
+def op_threshold(op) -> list:
+    """The threshold inputs of such an op: [] or [beta] (its last input)."""
+    try:
+        count = op.get_attr("num_threshold")
+    except ValueError:  # a graph op written before the input existed
+        count = 0
+    return list(op.inputs[len(op.inputs) - count :])
 
 
 _lock = threading.Lock()
@@ -272,7 +284,29 @@ def _load():
         raise TapehookError(
             f"{record['path']} was built for TF {built_for}, running TF {tf.__version__}"
         )
+    _default_threshold(library)
     return library, cdll, record
+
+
+# The forwards whose last input is the optional per-channel threshold.
+THRESHOLD_OPS = (
+    "tapehook_binary_conv2d",
+    "tapehook_binary_conv2d_affine",
+    "tapehook_binary_conv2d_affine_add",
+)
+
+
+def _default_threshold(library):
+    """TF's generated wrappers require every input, a list one too: the
+    forwards take ``threshold=()`` (none) unless a caller gives one."""
+    for name in THRESHOLD_OPS:
+        generated = getattr(library, name)
+
+        def with_default(*args, threshold=(), _op=generated, **kwargs):
+            return _op(*args, threshold=threshold, **kwargs)
+
+        functools.update_wrapper(with_default, generated)
+        setattr(library, name, with_default)
 
 
 def library():

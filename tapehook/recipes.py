@@ -164,12 +164,13 @@ class RSign(_Float32Layer):
 
     def call(self, inputs):
         x = self._wide(inputs)
-        t = x - tf.cast(self.beta, x.dtype)
+        beta = tf.cast(self.beta, x.dtype)
+        t = x - beta
         y = self._back(
             _sign_with(t, lambda u: reference.estimator_grad(self.estimator, u, self.clip))
         )
         # A binary conv reading y binarizes t itself (conv2d._fold_shifted_sign).
-        conv2d.tag_shifted_sign(y, t, self.estimator, self.clip)
+        conv2d.tag_shifted_sign(y, x, beta, t, self.estimator, self.clip)
         return y
 
     def get_config(self):

@@ -50,18 +50,20 @@ def test_distill_digits(tmp_path, capsys):
     of the fully binary stage ran its forward and gradients on the kernels."""
     module = _example("distill_digits")
     results, teacher, runs = module.main(
-        "--seeds 1 --epochs 1 --teacher-epochs 3 --variants baseline,reactnet --json".split()
+        "--seeds 1 --epochs 1 --teacher-epochs 3 --variants baseline,reactnet+balanced --json".split()
         + [str(tmp_path / "r.json")]
     )
     out = capsys.readouterr().out
-    assert "| reactnet | " in out and "| baseline | " in out and "| float teacher | " in out
+    assert (
+        "| reactnet+balanced | " in out and "| baseline | " in out and "| float teacher | " in out
+    )
     assert teacher[0] > 0.5 and all(0.3 < a[0] <= 1 for a in results.values())
     steps = -(-len(module.load_data(8)[0]) // module.BATCH)
-    for name, epochs in (("baseline", 2), ("reactnet", 1)):
+    for name, epochs in (("baseline", 2), ("reactnet+balanced", 1)):
         # 4 binary convs, each with both gradients per step, none on plain TF ops.
         compiled = runs[name]["compiled"]
         assert compiled["backprop_filter"] == compiled["backprop_input"] == 4 * steps * epochs
         assert compiled["forward"] >= 4 * steps * epochs
         assert runs[name]["reference"] == dict.fromkeys(runs[name]["reference"], 0)
     saved = json.loads((tmp_path / "r.json").read_text())
-    assert saved["variants"]["reactnet"]["test_accuracy"] == results["reactnet"]
+    assert saved["variants"]["reactnet+balanced"]["test_accuracy"] == results["reactnet+balanced"]

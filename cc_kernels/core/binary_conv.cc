@@ -237,9 +237,10 @@ template <typename T>
 void BinaryConv2DForwardBinary(const ConvShape& s, const T* x,
                                const BitFilter<T>& f, T* y,
                                const ParallelFor& parallel_for,
-                               const OutputAffine<T>* affine) {
+                               const OutputAffine<T>* affine,
+                               const T* threshold) {
   if (OutPixels(s) == 0) return;
-  BitpackedForwardWith(s, x, f, y, parallel_for, affine);
+  BitpackedForwardWith(s, x, f, y, parallel_for, affine, threshold);
 }
 
 template <typename T>
@@ -254,14 +255,16 @@ std::vector<float> FilterAlphaFloats(const ConvShape& s, const T* w,
 template <typename T>
 void BinaryConv2DForward(const ConvShape& s, const T* x, const T* w,
                          bool binary_input, Scale scale, T* y,
-                         const ParallelFor& parallel_for, Impl impl) {
+                         const ParallelFor& parallel_for, Impl impl,
+                         const T* threshold) {
   const int64_t K = FilterSize(s);
   const int64_t N = s.out_c;
   const int64_t pixels = OutPixels(s);
   if (pixels == 0) return;
   if (binary_input) {
     return BitpackedForwardWith(
-        s, x, PackBitFilter(s, w, scale, parallel_for, impl), y, parallel_for);
+        s, x, PackBitFilter(s, w, scale, parallel_for, impl), y, parallel_for,
+        static_cast<const OutputAffine<T>*>(nullptr), threshold);
   }
   impl = PlanOf<T>(ConvOp::kForward, s, false, false, impl);
   if constexpr (std::is_same<T, float>::value) {
@@ -425,12 +428,12 @@ void ScaleFilterGradient(const ConvShape& s, const T* w, Estimator w_est,
                                  Impl);                                        \
   template void BinaryConv2DForwardBinary<T>(                                  \
       const ConvShape&, const T*, const BitFilter<T>&, T*, const ParallelFor&, \
-      const OutputAffine<T>*);                                                 \
+      const OutputAffine<T>*, const T*);                                       \
   template std::vector<float> FilterAlphaFloats<T>(const ConvShape&, const T*, \
                                                    Scale);                     \
   template void BinaryConv2DForward<T>(const ConvShape&, const T*, const T*,   \
                                        bool, Scale, T*, const ParallelFor&,    \
-                                       Impl);                                  \
+                                       Impl, const T*);                        \
   template void BinaryConv2DBackpropInput<T>(                                  \
       const ConvShape&, const T*, const T*, const T*, Estimator, double,       \
       Scale, T*, const ParallelFor&, Impl, DySplit);                           \

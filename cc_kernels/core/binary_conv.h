@@ -44,12 +44,14 @@ inline const float* AlphaOrNull(const std::vector<float>& alpha) {
 // fp32 and ignore it.
 enum class DySplit : int { kExact = 3, kBf16x2 = 2 };
 
-// y[batch, out_h, out_w, out_c] = conv2d(x_hat, W_hat).
+// y[batch, out_h, out_w, out_c] = conv2d(x_hat, W_hat). With binary_input
+// and `threshold` ([in_c]: RSign's beta), x_hat = sign(x - threshold), the
+// difference rounded to T as a separate subtraction rounds it.
 template <typename T>
 void BinaryConv2DForward(const ConvShape& s, const T* x, const T* w,
                          bool binary_input, Scale scale, T* y,
                          const ParallelFor& parallel_for,
-                         Impl impl = Impl::kBest);
+                         Impl impl = Impl::kBest, const T* threshold = nullptr);
 
 // The filter side of the fully binary forward (BinaryConv2DForward with
 // binary_input): W's signs packed 64 input channels to a word, each tap's
@@ -100,12 +102,14 @@ struct OutputAffine {
 
 // BinaryConv2DForward(s, x, w, /*binary_input=*/true, scale, y) given
 // f = PackBitFilter(s, w, scale) with BitFilterFits(f, s, scale): the same
-// output, bit for bit; with `affine`, that output transformed by it.
+// output, bit for bit; with `affine`, that output transformed by it; with
+// `threshold`, as BinaryConv2DForward's.
 template <typename T>
 void BinaryConv2DForwardBinary(const ConvShape& s, const T* x,
                                const BitFilter<T>& f, T* y,
                                const ParallelFor& parallel_for,
-                               const OutputAffine<T>* affine = nullptr);
+                               const OutputAffine<T>* affine = nullptr,
+                               const T* threshold = nullptr);
 
 // dx[batch, in_h, in_w, in_c]. x is read only when act_est != kNone.
 template <typename T>

@@ -41,13 +41,16 @@ inline BitIsa BitIsaOf(Impl impl) {
                                : BitIsa::kPortable;
 }
 
+// thr ([c], or null): the signs of x - thr, the difference rounded to T.
 template <typename T>
-void PackSignsPortable(const T* x, int64_t c, uint64_t* out) {
+void PackSignsPortable(const T* x, int64_t c, uint64_t* out, const T* thr) {
   for (int64_t w = 0; w * 64 < c; ++w) {
     uint64_t bits = 0;
     const int64_t n = std::min<int64_t>(64, c - w * 64);
     for (int64_t b = 0; b < n; ++b) {
-      bits |= static_cast<uint64_t>(!(x[w * 64 + b] >= T(0))) << b;
+      const int64_t i = w * 64 + b;
+      const T v = thr != nullptr ? static_cast<T>(x[i] - thr[i]) : x[i];
+      bits |= static_cast<uint64_t>(!(v >= T(0))) << b;
     }
     out[w] = bits;
   }
@@ -56,13 +59,13 @@ void PackSignsPortable(const T* x, int64_t c, uint64_t* out) {
 // (The AVX-512 tier packs floats with simd::PackSigns512 and
 // simd::PackWeightTap512, over whole runs; doubles take the portable loops.)
 template <typename T>
-void PackSigns(BitIsa isa, const T* x, int64_t c, uint64_t* out) {
+void PackSigns(BitIsa isa, const T* x, int64_t c, uint64_t* out, const T* thr) {
 #if TAPEHOOK_HAVE_AVX2_PATH
   if constexpr (std::is_same_v<T, float>) {
-    if (isa == BitIsa::kAvx2) return simd::PackSigns(x, c, out);
+    if (isa == BitIsa::kAvx2) return simd::PackSigns(x, c, out, thr);
   }
 #endif
-  PackSignsPortable(x, c, out);
+  PackSignsPortable(x, c, out, thr);
 }
 
 template <typename T>
@@ -191,7 +194,7 @@ void BitpackedBlocks512(const ConvShape& s, BitInput input, const T* x,
                         const uint64_t* xb, const uint64_t* wb, int64_t n_pad,
                         const int32_t* tap_count, const T* alpha, T* y,
                         const ParallelFor& parallel_for, const T* offset,
-                        bool relu, const T* addend) {
+                        bool relu, const T* addend, const T* thr = nullptr) {
   const int64_t C = s.in_c, N = s.out_c;
   const int64_t cw = WordsPerPixel(s);
   const int64_t taps = s.k_h * s.k_w;
@@ -258,12 +261,12 @@ void BitpackedBlocks512(const ConvShape& s, BitInput input, const T* x,
       if constexpr (std::is_same_v<T, float>) {
         if (s.out_h == s.in_h && s.out_w == s.in_w) {
           // Stride 1: output and input pixels coincide, one run of np.
-          simd::PackSigns512(x + pix0 * C, np, C, sc.rows.data());
+          simd::PackSigns512(x + pix0 * C, np, C, sc.rows.data(), thr);
         } else {
           for (int64_t p = 0; p < np; ++p) {
             const int64_t in_pix =
                 (q.n * s.in_h + q.oh * s.stride_h) * s.in_w + q.ow * s.stride_w;
-            simd::PackSigns512(x + in_pix * C, 1, C, &sc.rows[p * cw]);
+            simd::PackSigns512(x + in_pix * C, 1, C, &sc.rows[p * cw], thr);
             if (++q.ow == s.out_w) {
               q.ow = 0;
               if (++q.oh == s.out_h) q.oh = 0, ++q.n;
@@ -409,7 +412,7 @@ void BitpackedBlocks512(const ConvShape& s, BitInput input, const T* x,
       sc.band.resize(std::max<int64_t>(1, band.in_rows * s.in_w * cw));
       if constexpr (std::is_same_v<T, float>) {
         simd::PackSigns512(band_floats(band), band.in_rows * s.in_w, C,
-                           sc.band.data());
+                           sc.band.data(), thr);
       }
       auto band_input = [&](int64_t) {
         return std::pair<const uint64_t*, int64_t>(sc.band.data(),
@@ -507,11 +510,13 @@ BitFilter<T> PackBitFilterImpl(const ConvShape& s, const T* w, Scale scale,
 }
 
 // The bitpacked forward given its packed filter (packed on f.isa's tier),
-// its outputs transformed by `affine` where given.
+// its outputs transformed by `affine` where given, x binarized at the
+// per-channel threshold `thr` ([in_c]) where given.
 template <typename T>
 void BitpackedForwardWith(const ConvShape& s, const T* x, const BitFilter<T>& f,
                           T* y, const ParallelFor& parallel_for,
-                          const OutputAffine<T>* affine = nullptr) {
+                          const OutputAffine<T>* affine = nullptr,
+                          const T* thr = nullptr) {
   const int64_t C = s.in_c, N = s.out_c;
   const int64_t cw = WordsPerPixel(s);
   const int64_t taps = s.k_h * s.k_w;
@@ -554,12 +559,12 @@ void BitpackedForwardWith(const ConvShape& s, const T* x, const BitFilter<T>& f,
 #if TAPEHOOK_HAVE_AVX512_PATH
     if constexpr (std::is_same_v<T, float>) {
       if (isa == BitIsa::kAvx512) {
-        return simd::PackSigns512(x + p0 * C, p1 - p0, C, &xb[p0 * cw]);
+        return simd::PackSigns512(x + p0 * C, p1 - p0, C, &xb[p0 * cw], thr);
       }
     }
 #endif
     for (int64_t p = p0; p < p1; ++p) {
-      PackSigns(isa, x + p * C, C, &xb[p * pw]);
+      PackSigns(isa, x + p * C, C, &xb[p * pw], thr);
       if (pw != cw) SplitNibbles(&xb[p * pw], cw);
     }
   });
@@ -567,7 +572,8 @@ void BitpackedForwardWith(const ConvShape& s, const T* x, const BitFilter<T>& f,
 #if TAPEHOOK_HAVE_AVX512_PATH
   if (isa == BitIsa::kAvx512) {
     return BitpackedBlocks512(s, input, x, xb.get(), wb, n_pad, tap_count,
-                              alpha_t, y, parallel_for, offset, relu, addend);
+                              alpha_t, y, parallel_for, offset, relu, addend,
+                              thr);
   }
 #endif
 

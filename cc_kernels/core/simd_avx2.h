@@ -301,18 +301,24 @@ TAPEHOOK_AVX2 inline void ScaleByMaskBits(const uint8_t* bits, int64_t n,
 
 // out[w] bit b = !(x[64 w + b] >= 0) for b < 64, c = count of values
 // (sign(t) = -1 maps to bit 1; NaN too, as in Sign()). Bits past c are 0.
-TAPEHOOK_AVX2 inline void PackSigns(const float* x, int64_t c, uint64_t* out) {
+// With `thr` ([c]): the signs of x - thr, each difference rounded to float.
+TAPEHOOK_AVX2 inline void PackSigns(const float* x, int64_t c, uint64_t* out,
+                                    const float* thr = nullptr) {
   const __m256 zero = _mm256_setzero_ps();
   for (int64_t w = 0; w * 64 < c; ++w) {
     uint64_t bits = 0;
     int64_t k = 0;
     for (; k + 8 <= 64 && w * 64 + k + 8 <= c; k += 8) {
-      const __m256 v = _mm256_loadu_ps(x + w * 64 + k);
+      __m256 v = _mm256_loadu_ps(x + w * 64 + k);
+      if (thr != nullptr)
+        v = _mm256_sub_ps(v, _mm256_loadu_ps(thr + w * 64 + k));
       const int m = _mm256_movemask_ps(_mm256_cmp_ps(v, zero, _CMP_NGE_UQ));
       bits |= static_cast<uint64_t>(m) << k;
     }
     for (; k < 64 && w * 64 + k < c; ++k) {
-      bits |= static_cast<uint64_t>(!(x[w * 64 + k] >= 0.0f)) << k;
+      const int64_t i = w * 64 + k;
+      const float v = thr != nullptr ? x[i] - thr[i] : x[i];
+      bits |= static_cast<uint64_t>(!(v >= 0.0f)) << k;
     }
     out[w] = bits;
   }

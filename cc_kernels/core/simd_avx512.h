@@ -43,14 +43,41 @@ TAPEHOOK_AVX512 inline __mmask8 FirstLanes8(int64_t n) {
                   : static_cast<__mmask8>((1u << n) - 1);
 }
 
+// PackSigns512 of x - thr (thr: [c], the same for every row).
+TAPEHOOK_AVX512 inline void PackSignsShifted512(const float* x, int64_t rows,
+                                                int64_t c, uint64_t* out,
+                                                const float* thr) {
+  const __m512 zero = _mm512_setzero_ps();
+  const int64_t cw = (c + 63) / 64;
+  for (int64_t r = 0; r < rows; ++r, x += c, out += cw) {
+    for (int64_t w = 0; w < cw; ++w) {
+      uint64_t bits = 0;
+      for (int q = 0; q < 4 && w * 64 + 16 * q < c; ++q) {
+        const int64_t at = w * 64 + 16 * q;
+        const __mmask16 k = FirstLanes16(c - at);
+        const __m512 v = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + at),
+                                       _mm512_maskz_loadu_ps(k, thr + at));
+        bits |= static_cast<uint64_t>(
+                    _mm512_mask_cmp_ps_mask(k, v, zero, _CMP_NGE_UQ))
+                << (16 * q);
+      }
+      out[w] = bits;
+    }
+  }
+}
+
 // Signs of `rows` runs of c values (input pixels of c channels): for each
 // row r, out[r * cw + w] bit b = !(x[r * c + 64 w + b] >= 0), cw = the
 // words per row, as simd::PackSigns does per row. One compare per 16 floats
 // straight into a mask register; NGE_UQ is true for negatives and NaN, false
 // for -0. Bits past c are 0. The loop over rows lives here so that it runs
-// inlined under this target, with no call per pixel.
+// inlined under this target, with no call per pixel. With `thr` ([c], a
+// per-channel threshold: RSign's beta) the signs are of x - thr, the
+// difference rounded to float as a separate subtraction rounds it.
 TAPEHOOK_AVX512 inline void PackSigns512(const float* x, int64_t rows,
-                                         int64_t c, uint64_t* out) {
+                                         int64_t c, uint64_t* out,
+                                         const float* thr = nullptr) {
+  if (thr != nullptr) return PackSignsShifted512(x, rows, c, out, thr);
   const __m512 zero = _mm512_setzero_ps();
   const int64_t full = c / 64, cw = (c + 63) / 64;
   for (int64_t r = 0; r < rows; ++r, x += c, out += cw) {

@@ -20,10 +20,17 @@
 namespace tapehook {
 namespace {
 
+// Every forward takes, last, an optional per-input-channel threshold (a list
+// of zero or one [in_c] tensors; an empty list in graphs written before it
+// existed): x_hat = sign(input - threshold), RSign's shift binarized where
+// the conv binarizes its input (tapehook/conv2d.py). CPU, float only.
+#define TAPEHOOK_THRESHOLD_INPUT \
+  Input("threshold: num_threshold * T").Attr("num_threshold: int >= 0 = 0")
+
 REGISTER_OP("TapehookBinaryConv2D")
     .Input("input: T")
     .Input("filter: T")
-    .Output("output: T")
+    .TAPEHOOK_THRESHOLD_INPUT.Output("output: T")
     .TAPEHOOK_CONV_ATTRS
     .Attr("cache_filter: bool = false")
     // The rest of the spec, carried for graph gradients and SavedModels; the
@@ -57,7 +64,7 @@ REGISTER_OP("TapehookBinaryConv2DAffine")
     .Input("filter: T")
     .Input("multiplier: T")
     .Input("offset: T")
-    .Output("output: T")
+    .TAPEHOOK_THRESHOLD_INPUT.Output("output: T")
     .TAPEHOOK_AFFINE_ATTRS
     .SetShapeFn(::tensorflow::shape_inference::Conv2DShapeWithExplicitPadding)
     .Doc(
@@ -74,7 +81,7 @@ REGISTER_OP("TapehookBinaryConv2DAffineAdd")
     .Input("multiplier: T")
     .Input("offset: T")
     .Input("addend: T")
-    .Output("output: T")
+    .TAPEHOOK_THRESHOLD_INPUT.Output("output: T")
     .TAPEHOOK_AFFINE_ATTRS
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       TF_RETURN_IF_ERROR(
@@ -99,6 +106,15 @@ class BinaryConv2DOp : public OpKernel {
   explicit BinaryConv2DOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ParseAttrs(ctx, &attrs_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("cache_filter", &cache_filter_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_threshold", &num_threshold_));
+    OP_REQUIRES(
+        ctx,
+        num_threshold_ <= 1 &&
+            (num_threshold_ == 0 ||
+             (std::is_same_v<T, float> && attrs_.act_est != Estimator::kNone)),
+        absl::InvalidArgumentError(
+            def().op() + ": a threshold (at most one) needs float32 and binary "
+                         "input (activation_estimator != 'none')"));
     add_ = def().op() == "TapehookBinaryConv2DAffineAdd";
     affine_ = add_ || def().op() == "TapehookBinaryConv2DAffine";
     if (affine_) {
@@ -147,6 +163,16 @@ class BinaryConv2DOp : public OpKernel {
         }
       }
     }
+    const C* threshold = nullptr;
+    if (num_threshold_ == 1) {
+      const Tensor& t = ctx->input(ctx->num_inputs() - 1);
+      OP_REQUIRES(
+          ctx, t.dims() == 1 && t.dim_size(0) == s.in_c,
+          absl::InvalidArgumentError(
+              def().op() + ": threshold must be [in_c] = [" +
+              std::to_string(s.in_c) + "]; got " + t.shape().DebugString()));
+      if constexpr (std::is_same_v<C, T>) threshold = t.flat<T>().data();
+    }
     Impl impl;
     OP_REQUIRES_OK(ctx, PlanFor(attrs_, ConvOp::kForward, s, false,
                                 std::is_same_v<C, double>, &impl));
@@ -161,13 +187,13 @@ class BinaryConv2DOp : public OpKernel {
                 PackBitFilter(s, w, attrs_.scale, pool, impl));
           });
       BinaryConv2DForwardBinary(s, xw.data(), *f, out.data(), pool,
-                                affine_ ? &affine : nullptr);
+                                affine_ ? &affine : nullptr, threshold);
     } else if (!KeptAmxForward(s, impl, ctx->input(1), xw.data(), out.data(),
                                pool)) {
       Widened<T> ww(ctx->input(1));
       BinaryConv2DForward(s, xw.data(), ww.data(),
                           attrs_.act_est != Estimator::kNone, attrs_.scale,
-                          out.data(), pool, impl);
+                          out.data(), pool, impl, threshold);
     }
     out.Store();
     CountDispatch(kForward);
@@ -257,6 +283,7 @@ class BinaryConv2DOp : public OpKernel {
 
   ConvAttrs attrs_;
   bool cache_filter_ = false;
+  int num_threshold_ = 0;
   bool affine_ = false;  // TapehookBinaryConv2DAffine(Add)
   bool add_ = false;     // TapehookBinaryConv2DAffineAdd
   bool relu_ = false;

@@ -54,6 +54,12 @@ class BinaryConv2DGpuOp : public OpKernel {
  public:
   explicit BinaryConv2DGpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ParseAttrs(ctx, &attrs_));
+    int num_threshold = 0;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_threshold", &num_threshold));
+    OP_REQUIRES(ctx, num_threshold == 0,
+                absl::InvalidArgumentError(
+                    "TapehookBinaryConv2D: the threshold input runs on the "
+                    "CPU kernels only; binarize x - threshold first on a GPU"));
   }
   void Compute(OpKernelContext* ctx) override {
     const Tensor& x = ctx->input(0);
