@@ -163,9 +163,27 @@ def _record(x, w, y, attrs, packed):
     )
 
 
+def _kept_balance(spec, x, w, recording):
+    """The op's balance attr where an inference forward balances W as it
+    packs the filter it keeps (fully binary, float32, CPU), else "none"."""
+    if (
+        spec.balance is None
+        or recording
+        or spec.activation_estimator is None
+        or x.dtype != tf.float32
+        or w.dtype != tf.float32
+        or kernels.gpu_visible()
+    ):
+        return "none"
+    return spec.balance
+
+
 def binary_conv2d(x, w, spec: BinarySpec, attrs: dict, name=None, shifted=None):
     """y = conv2d(x_hat, alpha * sign(w)) with the binary backward attached.
-    ``shifted``: the ShiftedSign x is the t of (_fold_shifted_sign), if any."""
+    ``shifted``: the ShiftedSign x is the t of (_fold_shifted_sign), if any.
+    A balanced spec binarizes W's balanced kernel: computed by recorded TF
+    ops, or, in an inference forward, by the op as it packs the filter it
+    keeps (so it is computed once while W is unchanged)."""
     with tf.name_scope(name or "BinaryConv2D"):
         x = tf.convert_to_tensor(x)
         w = tf.convert_to_tensor(w)
@@ -179,8 +197,14 @@ def binary_conv2d(x, w, spec: BinarySpec, attrs: dict, name=None, shifted=None):
         plan = (
             None
             if library is None
-            else dispatch.forward_path(spec, attrs, x.dtype.name, x.shape, w.shape)
+            else dispatch.forward_path(spec.unbalanced(), attrs, x.dtype.name, x.shape, w.shape)
         )
+        recording = execute.must_record_gradient()
+        balance = _kept_balance(spec, x, w, recording) if dispatch.runs_kernels(plan) else "none"
+        if balance == "none":
+            spec, w = reference.balance(spec, w)
+        else:
+            spec = spec.unbalanced()
         if not dispatch.runs_kernels(plan):
             counts.count_reference(forward=1)
             return reference.binary_conv2d(
@@ -193,7 +217,6 @@ def binary_conv2d(x, w, spec: BinarySpec, attrs: dict, name=None, shifted=None):
                 attrs["dilations"],
                 on_backward=lambda: counts.count_reference(backprop_input=1, backprop_filter=1),
             )
-        recording = execute.must_record_gradient()
         # An inference graph binarizes x - beta in the conv (no pass for t).
         threshold = _threshold(shifted, x, attrs, recording)
         with record.stop_recording():
@@ -210,6 +233,7 @@ def binary_conv2d(x, w, spec: BinarySpec, attrs: dict, name=None, shifted=None):
                 **spec.op_attrs(),
                 cache_filter=not recording,
                 plan=plan,
+                balance=balance,
             )
             # With binary activations the backward needs only sign(x) and e'(x):
             # keep those bits, not x (packing.py). Graph gradients of the op
@@ -335,7 +359,6 @@ def conv2d(
     (patches.py's wrapper found it, marking the filter inside a binary_scope):
     the binary conv."""
     del use_cudnn_on_gpu  # CPU kernels; the GPU ones choose their own
-    spec, filter = reference.balance(spec, filter)  # noqa: A001
     input, spec, shifted = _fold_shifted_sign(input, spec)  # noqa: A001
     if not isinstance(padding, str):
         raise TapehookError(f"padding must be 'SAME', 'VALID' or 'EXPLICIT', got {padding!r}")

@@ -193,6 +193,23 @@ def _shifted_input(op, x):
     return x - threshold[0] if threshold else x
 
 
+def _backward_filter(op):
+    """(the filter the op binarized, chain): W itself, or where the op
+    balanced it (an inference forward's balance attr) the balanced kernel
+    rebuilt by TF ops, and chain(dW) the gradient of the op's filter input
+    through that balancing (IR-Net's, as a tape gets it)."""
+    w = op.inputs[1]
+    balance = _text(op.get_attr("balance")) if "balance" in op.node_def.attr else "none"
+    if balance == "none":
+        return w, lambda dw: dw
+    balanced = reference.balanced_kernel(w, balance)
+
+    def chain(dw):
+        return None if dw is None else tf.gradients(balanced, w, grad_ys=dw)[0]
+
+    return balanced, chain
+
+
 def _threshold_grad(op, dx):
     """(The threshold's gradient,) or (): d(x - beta)/dbeta = -1, summed
     over every axis but the channels."""
@@ -212,6 +229,7 @@ def binary_conv2d_affine_op_grad(op, grad):
 
 def _affine_grads(op, grad):
     x, w, multiplier = op.inputs[:3]
+    binarized, chain = _backward_filter(op)
     spec, attrs = BinarySpec.from_op_attrs(op.get_attr), conv_attrs(op.get_attr)
     conv = kernels.library().tapehook_binary_conv2d(
         x, w, threshold=kernels.op_threshold(op), **kernels.binary_op_attrs(op)
@@ -220,9 +238,9 @@ def _affine_grads(op, grad):
     d_pre = grad * multiplier
     if op.get_attr("relu"):
         d_pre = tf.where(conv > 0, d_pre, tf.zeros_like(d_pre))
-    dx, dw = binary_backward(_shifted_input(op, x), w, d_pre, spec, attrs)
+    dx, dw = binary_backward(_shifted_input(op, x), binarized, d_pre, spec, attrs)
     axes = [0, 1, 2]
-    return dx, dw, tf.reduce_sum(grad * pre, axes), tf.reduce_sum(grad, axes)
+    return dx, chain(dw), tf.reduce_sum(grad * pre, axes), tf.reduce_sum(grad, axes)
 
 
 def binary_conv2d_affine_add_op_grad(op, grad):
@@ -245,13 +263,14 @@ def binary_conv2d_op_grad(op, grad):
     if kernels.op_threshold(op) and 2 not in skip:
         # dX is also what the threshold's gradient sums.
         backward_skip = tuple(i for i in skip if i != 0)
+    binarized, chain = _backward_filter(op)
     dx, dw = binary_backward(
         x,
-        op.inputs[1],
+        binarized,
         grad,
         BinarySpec.from_op_attrs(op.get_attr),
         conv_attrs(op.get_attr),
         backward_skip,
     )
     threshold_grad = _threshold_grad(op, dx)
-    return (None if 0 in skip else dx, dw, *threshold_grad)
+    return (None if 0 in skip else dx, chain(dw), *threshold_grad)

@@ -227,3 +227,52 @@ def test_rsign_and_balanced_weights_stay_on_the_kernels():
     assert _fit_on_kernels(model)["backprop_input"] >= 2
     beta = [w for w in model.weights if w.path.endswith("beta")][0]
     assert np.any(beta.numpy() != 0)
+
+
+def _balance_attrs(model, x):
+    """The balance attr of each binary conv in the model's inference graph."""
+    graph = tf.function(lambda t: model(t, training=False)).get_concrete_function(x).graph
+    return sorted(
+        {
+            op.get_attr("balance").decode()
+            for op in graph.get_operations()
+            if op.type.startswith("TapehookBinaryConv2D")
+        }
+    )
+
+
+@pytest.mark.parametrize("balance", ["mean", "std"])
+def test_inference_balances_the_kept_filter(balance):
+    """predict (no tape) gives the op W itself and its balance: the op
+    balances W as it packs the filter it keeps. Its outputs equal the
+    NumPy-balanced kernels' conv, computed under a tape (where TF ops
+    balance W), and follow a new W (the kept filter is W's buffer's)."""
+    model = _conv_net(balance)
+    _offset_kernels(model)
+    x, _ = _data(4, seed=2)
+    assert _balance_attrs(model, tf.constant(x)) == [balance]
+    for _ in range(2):
+        with tf.GradientTape():  # recording: TF ops balance W
+            taped = model(x, training=False)
+        assert_close(model.predict(x, verbose=0), taped, what="predict")
+        assert_close(model(x, training=False), taped, what="eager inference")
+        raw = _conv_net(balance=None)  # the reference: NumPy-balanced kernels
+        raw.set_weights(model.get_weights())
+        for name in ("binary_a", "binary_b"):
+            kernel = model.get_layer(name).kernel.numpy()
+            raw.get_layer(name).kernel.assign(np_balance(kernel, balance)[0].astype("float32"))
+        assert_close(model.predict(x, verbose=0), raw.predict(x, verbose=0), what="vs NumPy")
+        _offset_kernels(model)  # new values, new buffers
+        model.get_layer("binary_a").kernel.assign_add(tf.ones([3, 3, 8, 8]) * 0.5)
+
+
+def test_balance_attr_needs_the_kept_fully_binary_forward():
+    lib = tapehook.kernels.library()
+    if lib is None:
+        pytest.skip("compiled kernels not loaded")
+    x, w = tf.ones([1, 5, 5, 8]), tf.ones([3, 3, 8, 4])
+    attrs = dict(strides=[1, 1, 1, 1], padding="SAME", balance="std")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="balance runs in the fully binary"):
+        lib.tapehook_binary_conv2d(x, w, activation_estimator="ste_sign", **attrs)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="balance runs in the fully binary"):
+        lib.tapehook_binary_conv2d(x, w, cache_filter=True, **attrs)

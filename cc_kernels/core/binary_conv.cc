@@ -216,6 +216,43 @@ void BackpropInputByTaps(const ConvShape& s, const T* dy,
 
 }  // namespace
 
+bool ParseBalance(const std::string& name, Balance* out) {
+  if (name == "none") return *out = Balance::kNone, true;
+  if (name == "mean") return *out = Balance::kMean, true;
+  if (name == "std") return *out = Balance::kStd, true;
+  return false;
+}
+
+template <typename T>
+std::vector<T> BalancedFilter(const ConvShape& s, const T* w, Balance balance) {
+  const int64_t K = FilterSize(s), N = s.out_c;
+  std::vector<T> out(K * N);
+  std::vector<double> mean(N, 0.0), var(N, 0.0);
+  for (int64_t k = 0; k < K; ++k) {
+    for (int64_t o = 0; o < N; ++o) mean[o] += w[k * N + o];
+  }
+  std::vector<T> mean_t(N);
+  for (int64_t o = 0; o < N; ++o) mean_t[o] = static_cast<T>(mean[o] / K);
+  // As TF: the centred value is W - mean in T, the variance that of those.
+  for (int64_t k = 0; k < K; ++k) {
+    for (int64_t o = 0; o < N; ++o) {
+      const T c = w[k * N + o] - mean_t[o];
+      out[k * N + o] = c;
+      var[o] += static_cast<double>(c) * c;
+    }
+  }
+  if (balance == Balance::kStd) {
+    std::vector<T> inv(N);
+    for (int64_t o = 0; o < N; ++o) {
+      inv[o] = static_cast<T>(1.0 / std::sqrt(var[o] / K + 1e-12));
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      for (int64_t o = 0; o < N; ++o) out[k * N + o] *= inv[o];
+    }
+  }
+  return out;
+}
+
 template <typename T>
 BitFilter<T> PackBitFilter(const ConvShape& s, const T* w, Scale scale,
                            const ParallelFor& parallel_for, Impl impl) {
@@ -422,6 +459,8 @@ void ScaleFilterGradient(const ConvShape& s, const T* w, Estimator w_est,
 }
 
 #define TAPEHOOK_INSTANTIATE(T)                                                \
+  template std::vector<T> BalancedFilter<T>(const ConvShape&, const T*,        \
+                                            Balance);                          \
   template BitFilter<T> PackBitFilter<T>(const ConvShape&, const T*, Scale,    \
                                          const ParallelFor&, Impl);            \
   template bool BitFilterFits<T>(const BitFilter<T>&, const ConvShape&, Scale, \

@@ -74,6 +74,17 @@ struct BitFilter {
   std::vector<T> alpha;            // [out_c]
 };
 
+// IR-Net's balanced weights of an HWIO filter, per output channel o over
+// its k_h * k_w * in_c values: W - mean (kMean), (W - mean) / sqrt(var +
+// 1e-12) (kStd, population variance), as tapehook/reference.py's
+// balanced_kernel computes them in TF (sums here in double, each result
+// rounded to T once: the same values to rounding; the sign of W - mean can
+// differ only for a weight within rounding of its channel's mean).
+enum class Balance : int { kNone = 0, kMean = 1, kStd = 2 };
+bool ParseBalance(const std::string& name, Balance* out);
+template <typename T>
+std::vector<T> BalancedFilter(const ConvShape& s, const T* w, Balance balance);
+
 template <typename T>
 BitFilter<T> PackBitFilter(const ConvShape& s, const T* w, Scale scale,
                            const ParallelFor& parallel_for,

@@ -24,14 +24,21 @@ namespace {
 // of zero or one [in_c] tensors; an empty list in graphs written before it
 // existed): x_hat = sign(input - threshold), RSign's shift binarized where
 // the conv binarizes its input (tapehook/conv2d.py). CPU, float only.
-#define TAPEHOOK_THRESHOLD_INPUT \
-  Input("threshold: num_threshold * T").Attr("num_threshold: int >= 0 = 0")
+//
+// balance != 'none': the filter input is the latent W and the forward
+// binarizes its balanced form (IR-Net; core BalancedFilter), computed as
+// the filter is packed and kept with it: an inference forward's (fully
+// binary, cache_filter, float32 / float64).
+#define TAPEHOOK_FORWARD_ATTRS                            \
+  TAPEHOOK_CONV_ATTRS.Attr("num_threshold: int >= 0 = 0") \
+      .Attr("balance: {'none', 'mean', 'std'} = 'none'")
 
 REGISTER_OP("TapehookBinaryConv2D")
     .Input("input: T")
     .Input("filter: T")
-    .TAPEHOOK_THRESHOLD_INPUT.Output("output: T")
-    .TAPEHOOK_CONV_ATTRS
+    .Input("threshold: num_threshold * T")
+    .Output("output: T")
+    .TAPEHOOK_FORWARD_ATTRS
     .Attr("cache_filter: bool = false")
     // The rest of the spec, carried for graph gradients and SavedModels; the
     // forward does not read them. activation_clip < 0: the same as clip;
@@ -51,12 +58,12 @@ REGISTER_OP("TapehookBinaryConv2D")
         "writes never touch a buffer that is still referenced).");
 
 // The folded forwards' attrs: the forward's, and relu (max(conv, 0) first).
-#define TAPEHOOK_AFFINE_ATTRS                           \
-  TAPEHOOK_CONV_ATTRS.Attr("cache_filter: bool = true") \
-      .Attr("activation_clip: float = -1.0")            \
-      .Attr("activation_clip_f64_bits: int = 0")        \
-      .Attr("beta: float = 5.0")                        \
-      .Attr("pad_value: float = 0.0")                   \
+#define TAPEHOOK_AFFINE_ATTRS                              \
+  TAPEHOOK_FORWARD_ATTRS.Attr("cache_filter: bool = true") \
+      .Attr("activation_clip: float = -1.0")               \
+      .Attr("activation_clip_f64_bits: int = 0")           \
+      .Attr("beta: float = 5.0")                           \
+      .Attr("pad_value: float = 0.0")                      \
       .Attr("relu: bool = false")
 
 REGISTER_OP("TapehookBinaryConv2DAffine")
@@ -64,7 +71,8 @@ REGISTER_OP("TapehookBinaryConv2DAffine")
     .Input("filter: T")
     .Input("multiplier: T")
     .Input("offset: T")
-    .TAPEHOOK_THRESHOLD_INPUT.Output("output: T")
+    .Input("threshold: num_threshold * T")
+    .Output("output: T")
     .TAPEHOOK_AFFINE_ATTRS
     .SetShapeFn(::tensorflow::shape_inference::Conv2DShapeWithExplicitPadding)
     .Doc(
@@ -81,7 +89,8 @@ REGISTER_OP("TapehookBinaryConv2DAffineAdd")
     .Input("multiplier: T")
     .Input("offset: T")
     .Input("addend: T")
-    .TAPEHOOK_THRESHOLD_INPUT.Output("output: T")
+    .Input("threshold: num_threshold * T")
+    .Output("output: T")
     .TAPEHOOK_AFFINE_ATTRS
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       TF_RETURN_IF_ERROR(
@@ -115,6 +124,20 @@ class BinaryConv2DOp : public OpKernel {
         absl::InvalidArgumentError(
             def().op() + ": a threshold (at most one) needs float32 and binary "
                          "input (activation_estimator != 'none')"));
+    std::string balance;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("balance", &balance));
+    OP_REQUIRES(ctx, ParseBalance(balance, &balance_),
+                absl::InvalidArgumentError("unknown balance " + balance));
+    OP_REQUIRES(
+        ctx,
+        balance_ == Balance::kNone ||
+            ((std::is_same_v<T, float> || std::is_same_v<T, double>) &&
+             attrs_.act_est != Estimator::kNone && cache_filter_),
+        absl::InvalidArgumentError(
+            def().op() +
+            ": balance runs in the fully binary forward with a kept filter: "
+            "it needs float32 / float64, activation_estimator != 'none' and "
+            "cache_filter = true (elsewhere, binarize a balanced kernel)"));
     add_ = def().op() == "TapehookBinaryConv2DAffineAdd";
     affine_ = add_ || def().op() == "TapehookBinaryConv2DAffine";
     if (affine_) {
@@ -183,6 +206,11 @@ class BinaryConv2DOp : public OpKernel {
             return BitFilterFits(k, s, attrs_.scale, impl);
           },
           [&](const C* w) {
+            if (balance_ != Balance::kNone) {
+              const std::vector<C> balanced = BalancedFilter(s, w, balance_);
+              return std::make_shared<const BitFilter<C>>(
+                  PackBitFilter(s, balanced.data(), attrs_.scale, pool, impl));
+            }
             return std::make_shared<const BitFilter<C>>(
                 PackBitFilter(s, w, attrs_.scale, pool, impl));
           });
@@ -284,6 +312,7 @@ class BinaryConv2DOp : public OpKernel {
   ConvAttrs attrs_;
   bool cache_filter_ = false;
   int num_threshold_ = 0;
+  Balance balance_ = Balance::kNone;
   bool affine_ = false;  // TapehookBinaryConv2DAffine(Add)
   bool add_ = false;     // TapehookBinaryConv2DAffineAdd
   bool relu_ = false;

@@ -8,6 +8,7 @@
 #if GOOGLE_CUDA
 
 #include <algorithm>
+#include <string>
 
 #include "cuda/binary_conv_cuda.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -56,6 +57,12 @@ class BinaryConv2DGpuOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ParseAttrs(ctx, &attrs_));
     int num_threshold = 0;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_threshold", &num_threshold));
+    std::string balance;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("balance", &balance));
+    OP_REQUIRES(ctx, balance == "none",
+                absl::InvalidArgumentError(
+                    "TapehookBinaryConv2D: balance runs on the CPU kernels "
+                    "only; binarize a balanced kernel on a GPU"));
     OP_REQUIRES(ctx, num_threshold == 0,
                 absl::InvalidArgumentError(
                     "TapehookBinaryConv2D: the threshold input runs on the "
