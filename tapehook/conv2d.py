@@ -71,16 +71,18 @@ def _fold_shifted_sign(x, spec):
     return shifted.t, spec, shifted
 
 
-def _threshold(shifted, x, attrs, recording):
+def _threshold(shifted, x, spec, attrs, recording):
     """[beta] where the forward may binarize x - beta itself (x the
-    ShiftedSign's unshifted input), else []: a graph built for inference
-    (no tape recording: a training step keeps t for its backward anyway),
-    float32, CPU kernels, and padding that holds zeros (one-padding pads
-    t, not x)."""
+    ShiftedSign's unshifted input), so that no pass computes t = x - beta:
+    in graphs (eagerly, RSign computed t already), float32, CPU kernels,
+    padding that holds zeros (one-padding pads t, not x), and, where a tape
+    records, a backward that reads only the bits packed from x and beta
+    (never t itself); else []."""
+    if recording and (not packable(x, spec) or override.override_for("Conv2D") is not None):
+        return []
     if (
         shifted is None
-        or recording
-        or tf.executing_eagerly()  # t exists already: RSign computed it
+        or tf.executing_eagerly()
         or x.dtype != tf.float32
         or shifted.x.dtype != tf.float32
         or shifted.x.shape.rank != 4
@@ -217,8 +219,8 @@ def binary_conv2d(x, w, spec: BinarySpec, attrs: dict, name=None, shifted=None):
                 attrs["dilations"],
                 on_backward=lambda: counts.count_reference(backprop_input=1, backprop_filter=1),
             )
-        # An inference graph binarizes x - beta in the conv (no pass for t).
-        threshold = _threshold(shifted, x, attrs, recording)
+        # A graph binarizes x - beta in the conv (no pass for t).
+        threshold = _threshold(shifted, x, spec, attrs, recording)
         with record.stop_recording():
             # Inference (no tape recording) lets the forward keep its packed
             # filter (bitpacked, or the AMX GEMM's sign(W) for a float input)
@@ -240,7 +242,10 @@ def binary_conv2d(x, w, spec: BinarySpec, attrs: dict, name=None, shifted=None):
             # find them on it; unused in inference, Grappler prunes them.
             packed = None
             if packable(x, spec) and (recording or not tf.executing_eagerly()):
-                packed = pack_input(x, spec)
+                # (the bits of t, from x and beta where the op takes beta)
+                packed = (
+                    pack_input(shifted.x, spec, threshold) if threshold else pack_input(x, spec)
+                )
                 if not tf.executing_eagerly():
                     y.op._tapehook_packed_input = packed
         if recording:

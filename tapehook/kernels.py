@@ -288,11 +288,15 @@ def _load():
     return library, cdll, record
 
 
-# The forwards whose last input is the optional per-channel threshold.
+# The ops whose last input is the optional per-channel threshold: the
+# forwards, and what they keep of their input for the backward.
 THRESHOLD_OPS = (
     "tapehook_binary_conv2d",
     "tapehook_binary_conv2d_affine",
     "tapehook_binary_conv2d_affine_add",
+    "tapehook_pack_input",
+    "tapehook_estimator_grad_fixed",
+    "tapehook_estimator_grad_half",
 )
 
 

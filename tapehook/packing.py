@@ -105,19 +105,24 @@ def packable(x, spec) -> bool:
     return chosen == "1" and not kernels.gpu_visible()
 
 
-def pack_input(x, spec) -> PackedInput:
+def pack_input(x, spec, threshold=()) -> PackedInput:
     """The bits (and, for a continuous estimator, the 16-bit e'(x)) a binary
-    conv's backward keeps of its input (compiled kernels)."""
+    conv's backward keeps of its input (compiled kernels); with
+    ``threshold=[beta]`` those of x - beta (RSign's shift), which the kernels
+    compute a run at a time instead of a tensor of its own."""
     library = kernels.library()
+    threshold = list(threshold)
     if spec.activation_estimator == "ste_sign":
-        packed = library.tapehook_pack_input(x, **spec.pack_attrs())
+        packed = library.tapehook_pack_input(x, threshold=threshold, **spec.pack_attrs())
         return PackedInput(packed, int(x.shape[-1]), x.dtype)
     # Sign bits with masks of all ones (no clip): the packed backprops then
     # give dX_hat, which the backward scales by the kept e'(x).
-    packed = library.tapehook_pack_input(x, **NO_MASK)
+    packed = library.tapehook_pack_input(x, threshold=threshold, **NO_MASK)
     estimator = spec.activation_estimator
-    if mode() == "float16":
-        derivative = library.tapehook_estimator_grad_half(x, activation_estimator=estimator)
-    else:
-        derivative = library.tapehook_estimator_grad_fixed(x, activation_estimator=estimator)
+    grad = (
+        library.tapehook_estimator_grad_half
+        if mode() == "float16"
+        else library.tapehook_estimator_grad_fixed
+    )
+    derivative = grad(x, threshold=threshold, activation_estimator=estimator)
     return PackedInput(packed, int(x.shape[-1]), x.dtype, derivative, estimator)

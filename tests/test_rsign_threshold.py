@@ -1,12 +1,14 @@
-"""An inference graph binarizes RSign's x - beta inside the binary conv: the
-forward ops' threshold input (TapehookBinaryConv2D and its affine / add
-folds) packs sign(x - beta) where it packs the input's signs, so no pass
-computes t = x - beta. Checked: the ops against themselves on x - beta (bit
-for bit) and against plain TF's conv of sign(x - beta), in every vector
-tier and on each way the AVX-512 tier reads its input; models with RSign in
-predict against the same model run eagerly (where t is computed) and
-against plain TF; tf.gradients on such a graph against a tape's; bad
-thresholds rejected."""
+"""A graph binarizes RSign's x - beta inside the binary conv: the forward
+ops' threshold input (TapehookBinaryConv2D and its affine / add folds)
+packs sign(x - beta) where it packs the input's signs, and in a training
+step the ops that keep the input's bits and e' for the backward take it
+too, so no pass computes t = x - beta. Checked: each op against itself on
+x - beta (bit for bit) and the conv against plain TF's conv of
+sign(x - beta), in every vector tier and on each way the AVX-512 tier reads
+its input; models with RSign in predict against the same model run eagerly
+(where t is computed) and against plain TF; tf.gradients on such a graph
+against a tape's; a training step's graph (its gradients against plain TF:
+tests/test_rsign_fold.py); bad thresholds rejected."""
 
 import json
 
@@ -227,3 +229,91 @@ def test_bad_thresholds_are_rejected():
             activation_estimator="ste_sign",
             **attrs,
         )
+
+
+_PACK_SCRIPT = """
+import sys
+import numpy as np
+import tensorflow as tf
+from tapehook import kernels
+lib = kernels.library()
+out = {}
+for i, channels in enumerate((5, 70, 1100)):
+    rng = np.random.default_rng(i)
+    x = rng.normal(size=(3, 7, channels)).astype(np.float32)
+    beta = (rng.normal(size=channels) * 0.5).astype(np.float32)
+    x.reshape(-1, channels)[::3] = beta
+    x.reshape(-1)[::97] = np.nan
+    t = tf.constant(x - beta)
+    x, beta = tf.constant(x), tf.constant(beta)
+    for clip in (0.7, float("inf")):
+        attrs = dict(clip=clip)
+        out[f"{i}-pack-{clip}"] = lib.tapehook_pack_input(x, threshold=[beta], **attrs).numpy()
+        out[f"{i}-pack-{clip}-t"] = lib.tapehook_pack_input(t, **attrs).numpy()
+    for name in ("approx_sign", "swish_sign"):
+        for kind in ("fixed", "half"):
+            op = getattr(lib, f"tapehook_estimator_grad_{kind}")
+            got = op(x, threshold=[beta], activation_estimator=name)
+            want = op(t, activation_estimator=name)
+            out[f"{i}-{name}-{kind}"] = tf.bitcast(got, tf.uint16).numpy()
+            out[f"{i}-{name}-{kind}-t"] = tf.bitcast(want, tf.uint16).numpy()
+np.savez(sys.argv[1], **out)
+"""
+
+
+@pytest.mark.parametrize("tier", TIERS)
+def test_kept_bits_and_derivatives_of_the_shifted_input(tmp_path, tier):
+    """What a training step keeps for the backward, from x and beta: the
+    same bits (sign, mask) and 16-bit e' as from x - beta, in every tier,
+    rows longer than one buffered run (1100 channels) included."""
+    run_in_tier(tier, _PACK_SCRIPT, tmp_path / "out.npz")
+    out = np.load(tmp_path / "out.npz")
+    keys = [k for k in out.files if not k.endswith("-t")]
+    assert len(keys) == 18
+    for key in keys:
+        np.testing.assert_array_equal(out[key], out[key + "-t"], err_msg=key)
+
+
+@pytest.mark.parametrize("estimator", ["ste_sign", "approx_sign"])
+def test_training_graph_never_needs_the_shifted_input(estimator):
+    """Under a tape in a graph the conv and what it keeps take beta; t is
+    read only by RSign's own sign, which nothing reads (pruned)."""
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(4, 8, 8, 16)).astype("float32"))
+    w = tf.Variable(rng.normal(size=(3, 3, 16, 8)).astype("float32"))
+    tapehook.mark_binary(w, activations=True, scale="mean_abs")
+    rsign = recipes.RSign(estimator=estimator)
+    rsign.build(x.shape)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.nn.conv2d(rsign(x), w, 1, "SAME")
+            loss = tf.reduce_sum(y * y)
+        return tape.gradient(loss, [x, rsign.beta, w])
+
+    graph = step.get_concrete_function(x).graph
+    thresholds = {
+        op.type: op.get_attr("num_threshold")
+        for op in graph.get_operations()
+        if "num_threshold" in op.node_def.attr
+    }
+    kept = {"ste_sign": [], "approx_sign": ["TapehookEstimatorGradFixed"]}[estimator]
+    assert thresholds == dict.fromkeys(["TapehookBinaryConv2D", "TapehookPackInput", *kept], 1)
+    (shift,) = [op for op in graph.get_operations() if op.type == "Sub"]
+    readers = {c.type for c in shift.outputs[0].consumers()}
+    assert readers <= {"GreaterEqual", "IdentityN"}, readers  # RSign's sign only
+
+
+def test_bad_thresholds_of_the_kept_bits_are_rejected():
+    lib = kernels.library()
+    x = tf.ones([2, 3, 8])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"threshold must be \[channels\]"):
+        lib.tapehook_pack_input(x, threshold=[tf.ones([3])])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"threshold must be \[channels\]"):
+        lib.tapehook_estimator_grad_fixed(
+            x, threshold=[tf.ones([9])], activation_estimator="approx_sign"
+        )
+    with pytest.raises(tf.errors.InvalidArgumentError, match="needs float32 or float64"):
+        lib.tapehook_pack_input(tf.cast(x, tf.float16), threshold=[tf.ones([8], tf.float16)])

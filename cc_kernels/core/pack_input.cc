@@ -16,6 +16,29 @@ namespace tapehook {
 
 namespace {
 
+// Values per run of ShiftedRuns' buffer: a multiple of 4 (a packed byte's
+// channels) and of 16 (a vector).
+constexpr int64_t kShiftRun = 1024;
+
+// run(values, count, at) over elements [lo, hi) of x, whose last axis has
+// `channels` values: x + lo itself where threshold is null, else x -
+// threshold[channel] (rounded to T, as a separate subtraction rounds it) in
+// runs of a local buffer that never cross a row or pass kShiftRun values, so
+// the shifted input is never written out whole.
+template <typename T, typename Run>
+void ShiftedRuns(const T* x, int64_t lo, int64_t hi, const T* threshold,
+                 int64_t channels, Run run) {
+  if (threshold == nullptr) return run(x + lo, hi - lo, lo);
+  T buffer[kShiftRun];
+  for (int64_t i = lo; i < hi;) {
+    const int64_t c = i % channels;
+    const int64_t n = std::min({hi - i, channels - c, kShiftRun});
+    for (int64_t j = 0; j < n; ++j) buffer[j] = x[i + j] - threshold[c + j];
+    run(buffer, n, i);
+    i += n;
+  }
+}
+
 // One row: byte c / 4 holds channels 4 (c / 4) .. + 3, channel c's sign at
 // bit 7 - 2 (c % 4) and its mask just below.
 template <typename T>
@@ -80,24 +103,28 @@ __attribute__((target("avx512f,bmi2"))) void PackRow512(const float* in,
 
 template <typename T>
 void PackSignMask(const T* x, int64_t rows, int64_t channels, double clip,
-                  uint8_t* packed, const ParallelFor& parallel_for) {
+                  uint8_t* packed, const ParallelFor& parallel_for,
+                  const T* threshold) {
   const int64_t bytes = PackedBytes(channels);
   const T limit = static_cast<T>(clip);
   bool wide = false;
 #if TAPEHOOK_HAVE_PACK512
   wide = std::is_same<T, float>::value && cpu::PackInput512();
 #endif
+  // Runs of whole bytes (kShiftRun is a multiple of 4) of a row.
+  auto pack = [&](const T* in, int64_t n, int64_t at) {
+    uint8_t* out = packed + (at / channels) * bytes + (at % channels) / 4;
+#if TAPEHOOK_HAVE_PACK512
+    if constexpr (std::is_same<T, float>::value) {
+      if (wide) return PackRow512(in, n, limit, out);
+    }
+#endif
+    PackRowPortable(in, n, limit, out);
+  };
   parallel_for(rows, channels * 2, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-#if TAPEHOOK_HAVE_PACK512
-      if constexpr (std::is_same<T, float>::value) {
-        if (wide) {
-          PackRow512(x + r * channels, channels, limit, packed + r * bytes);
-          continue;
-        }
-      }
-#endif
-      PackRowPortable(x + r * channels, channels, limit, packed + r * bytes);
+      ShiftedRuns(x, r * channels, (r + 1) * channels, threshold, channels,
+                  pack);
     }
   });
 }
@@ -336,17 +363,22 @@ int HalfTier() {
 }  // namespace
 
 void EstimatorGradHalf(const float* x, int64_t n, Estimator estimator,
-                       uint16_t* half, const ParallelFor& parallel_for) {
+                       uint16_t* half, const ParallelFor& parallel_for,
+                       const float* threshold, int64_t channels) {
   // The vector loops compute approx_sign's e'; swish_sign's is per element.
   const int tier = estimator == Estimator::kApproxSign ? HalfTier() : 0;
-  ForHalfBlocks(n, parallel_for, [&](int64_t lo, int64_t hi) {
+  auto run = [&](const float* in, int64_t count, int64_t at) {
+    uint16_t* out = half + at;
 #if TAPEHOOK_HAVE_HALF_SIMD
-    if (tier == 2) return ApproxHalf512(x + lo, hi - lo, half + lo);
-    if (tier == 1) return ApproxHalf256(x + lo, hi - lo, half + lo);
+    if (tier == 2) return ApproxHalf512(in, count, out);
+    if (tier == 1) return ApproxHalf256(in, count, out);
 #endif
-    for (int64_t i = lo; i < hi; ++i) {
-      half[i] = FloatToHalf(GradOf(estimator, x[i]));
+    for (int64_t i = 0; i < count; ++i) {
+      out[i] = FloatToHalf(GradOf(estimator, in[i]));
     }
+  };
+  ForHalfBlocks(n, parallel_for, [&](int64_t lo, int64_t hi) {
+    ShiftedRuns(x, lo, hi, threshold, channels, run);
   });
 }
 
@@ -470,18 +502,23 @@ FixedDerivative FixedDerivativeOf(Estimator estimator) {
 }
 
 void EstimatorGradFixed(const float* x, int64_t n, Estimator estimator,
-                        uint16_t* q, const ParallelFor& parallel_for) {
+                        uint16_t* q, const ParallelFor& parallel_for,
+                        const float* threshold, int64_t channels) {
   // The vector loops compute approx_sign's q; swish_sign's is per element.
   const bool approx = estimator == Estimator::kApproxSign;
   const int tier = approx ? HalfTier() : 0;
-  ForHalfBlocks(n, parallel_for, [&](int64_t lo, int64_t hi) {
+  auto run = [&](const float* in, int64_t count, int64_t at) {
+    uint16_t* out = q + at;
 #if TAPEHOOK_HAVE_HALF_SIMD
-    if (tier == 2) return ApproxFixed512(x + lo, hi - lo, q + lo);
-    if (tier == 1) return ApproxFixed256(x + lo, hi - lo, q + lo);
+    if (tier == 2) return ApproxFixed512(in, count, out);
+    if (tier == 1) return ApproxFixed256(in, count, out);
 #endif
-    for (int64_t i = lo; i < hi; ++i) {
-      q[i] = approx ? ApproxFixed(x[i]) : SwishFixed(x[i]);
+    for (int64_t i = 0; i < count; ++i) {
+      out[i] = approx ? ApproxFixed(in[i]) : SwishFixed(in[i]);
     }
+  };
+  ForHalfBlocks(n, parallel_for, [&](int64_t lo, int64_t hi) {
+    ShiftedRuns(x, lo, hi, threshold, channels, run);
   });
 }
 
@@ -502,9 +539,9 @@ void ScaleByFixed(const float* grad, const uint16_t* q, int64_t n,
 }
 
 template void PackSignMask<float>(const float*, int64_t, int64_t, double,
-                                  uint8_t*, const ParallelFor&);
+                                  uint8_t*, const ParallelFor&, const float*);
 template void PackSignMask<double>(const double*, int64_t, int64_t, double,
-                                   uint8_t*, const ParallelFor&);
+                                   uint8_t*, const ParallelFor&, const double*);
 template void UnpackSignMask<float>(const uint8_t*, int64_t, int64_t, float*,
                                     float*, const ParallelFor&);
 template void UnpackSignMask<double>(const uint8_t*, int64_t, int64_t, double*,

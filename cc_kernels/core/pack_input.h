@@ -16,9 +16,14 @@ namespace tapehook {
 
 inline int64_t PackedBytes(int64_t channels) { return (channels + 3) / 4; }
 
+// With `threshold` ([channels], or null): the bits of x - threshold (RSign's
+// shift; each difference rounded to T as a separate subtraction rounds it),
+// computed a run at a time, never written out whole. The same for the
+// estimator derivatives below, whose n values are then rows of `channels`.
 template <typename T>
 void PackSignMask(const T* x, int64_t rows, int64_t channels, double clip,
-                  uint8_t* packed, const ParallelFor& parallel_for);
+                  uint8_t* packed, const ParallelFor& parallel_for,
+                  const T* threshold = nullptr);
 
 // x_hat = +-1 from the sign bits, mask = 0 / 1 (not written where mask is
 // null: a caller that needs only the signs).
@@ -33,7 +38,8 @@ void UnpackSignMask(const uint8_t* packed, int64_t rows, int64_t channels,
 // is computed as the float-input kernels compute it (approx_sign:
 // ApproxSignGrad; swish_sign: EstimatorGrad in double, rounded to float).
 void EstimatorGradHalf(const float* x, int64_t n, Estimator estimator,
-                       uint16_t* half, const ParallelFor& parallel_for);
+                       uint16_t* half, const ParallelFor& parallel_for,
+                       const float* threshold = nullptr, int64_t channels = 0);
 
 // out = grad * e' for n values, e' as EstimatorGradHalf's binary16 bits
 // (converted exactly to float32; one float32 rounding of the product).
@@ -56,7 +62,8 @@ FixedDerivative FixedDerivativeOf(Estimator estimator);
 
 // q of n float32 values as above, rounded to nearest even.
 void EstimatorGradFixed(const float* x, int64_t n, Estimator estimator,
-                        uint16_t* q, const ParallelFor& parallel_for);
+                        uint16_t* q, const ParallelFor& parallel_for,
+                        const float* threshold = nullptr, int64_t channels = 0);
 
 // out = grad * ((q - offset) * step): e' as one float32 product, then one
 // float32 rounding of grad times it.

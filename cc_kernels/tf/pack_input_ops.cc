@@ -14,10 +14,15 @@
 namespace tapehook {
 namespace {
 
+// The ops that keep an input's bits or derivative take an optional
+// per-channel threshold, last (a list of zero or one [channels] tensors):
+// they keep those of input - threshold, RSign's shift (tapehook/conv2d.py).
 REGISTER_OP("TapehookPackInput")
     .Input("input: T")
+    .Input("threshold: num_threshold * T")
     .Output("packed: uint8")
     .Attr("T: {half, bfloat16, float, double}")
+    .Attr("num_threshold: int >= 0 = 0")
     .Attr("clip: float = 1.0")
     .Attr("clip_f64_bits: int = 0")
     .SetShapeFn([](shape_inference::InferenceContext* c) {
@@ -50,17 +55,52 @@ REGISTER_OP("TapehookUnpackInput")
       return absl::OkStatus();
     });
 
+// Refuses a threshold where the op cannot take one: more than one, or a
+// dtype the kernels do not compute in directly (half, bfloat16).
+template <typename T>
+absl::Status CheckThresholdCount(OpKernelConstruction* ctx, int* count) {
+  TF_RETURN_IF_ERROR(ctx->GetAttr("num_threshold", count));
+  if (*count > 1 || (*count == 1 && !std::is_same_v<T, float> &&
+                     !std::is_same_v<T, double>)) {
+    return absl::InvalidArgumentError(
+        ctx->def().op() +
+        ": a threshold (at most one) needs float32 or float64");
+  }
+  return absl::OkStatus();
+}
+
+// The threshold input (the last) where `count` is 1, checked against the
+// input's channels; null where there is none.
+template <typename T>
+absl::Status ThresholdInput(OpKernelContext* ctx, int count, int64_t channels,
+                            const T** threshold) {
+  *threshold = nullptr;
+  if (count == 0) return absl::OkStatus();
+  const Tensor& t = ctx->input(ctx->num_inputs() - 1);
+  if (t.dims() != 1 || t.dim_size(0) != channels) {
+    return absl::InvalidArgumentError(
+        ctx->op_kernel().def().op() + ": threshold must be [channels] = [" +
+        std::to_string(channels) + "]; got " + t.shape().DebugString());
+  }
+  *threshold = t.flat<T>().data();
+  return absl::OkStatus();
+}
+
 template <typename T>
 class PackInputOp : public OpKernel {
  public:
   explicit PackInputOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ParseClip(ctx, &clip_, &clip_f64_));
+    OP_REQUIRES_OK(ctx, CheckThresholdCount<T>(ctx, &num_threshold_));
   }
   void Compute(OpKernelContext* ctx) override {
     const Tensor& x = ctx->input(0);
     OP_REQUIRES(ctx, x.dims() >= 1,
                 errors::InvalidArgument("input must have a channel axis"));
     const int64_t channels = x.dim_size(x.dims() - 1);
+    const T* threshold = nullptr;
+    OP_REQUIRES_OK(ctx,
+                   ThresholdInput(ctx, num_threshold_, channels, &threshold));
     TensorShape shape = x.shape();
     shape.set_dim(x.dims() - 1, PackedBytes(channels));
     Tensor* packed = nullptr;
@@ -68,14 +108,17 @@ class PackInputOp : public OpKernel {
     if (x.NumElements() == 0) return;
     Widened<T> xw(x);
     using C = typename Compute<T>::type;
+    const C* shift = nullptr;
+    if constexpr (std::is_same_v<C, T>) shift = threshold;
     PackSignMask(xw.data(), x.NumElements() / channels, channels,
                  std::is_same_v<C, double> ? clip_f64_ : double{clip_},
-                 packed->flat<uint8_t>().data(), ThreadPoolOf(ctx));
+                 packed->flat<uint8_t>().data(), ThreadPoolOf(ctx), shift);
   }
 
  private:
   float clip_;
   double clip_f64_;
+  int num_threshold_ = 0;
 };
 
 template <typename T>
@@ -120,8 +163,10 @@ class UnpackInputOp : public OpKernel {
 
 REGISTER_OP("TapehookEstimatorGradHalf")
     .Input("input: float")
+    .Input("threshold: num_threshold * float")
     .Output("derivative: half")
     .Attr("activation_estimator: {'approx_sign', 'swish_sign'}")
+    .Attr("num_threshold: int >= 0 = 0")
     .SetShapeFn(shape_inference::UnchangedShape)
     .Doc(
         "e'(x) of a continuous input estimator in binary16, rounded to "
@@ -137,8 +182,10 @@ REGISTER_OP("TapehookScaleByHalf")
 
 REGISTER_OP("TapehookEstimatorGradFixed")
     .Input("input: float")
+    .Input("threshold: num_threshold * float")
     .Output("derivative: uint16")
     .Attr("activation_estimator: {'approx_sign', 'swish_sign'}")
+    .Attr("num_threshold: int >= 0 = 0")
     .SetShapeFn(shape_inference::UnchangedShape)
     .Doc(
         "e'(x) of a continuous input estimator in 16-bit fixed point over its "
@@ -167,9 +214,14 @@ class EstimatorGrad16Op : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("activation_estimator", &name));
     OP_REQUIRES(ctx, ParseEstimator(name, &estimator_),
                 errors::InvalidArgument("unknown estimator ", name));
+    OP_REQUIRES_OK(ctx, CheckThresholdCount<float>(ctx, &num_threshold_));
   }
   void Compute(OpKernelContext* ctx) override {
     const Tensor& x = ctx->input(0);
+    const int64_t channels = x.dims() > 0 ? x.dim_size(x.dims() - 1) : 1;
+    const float* threshold = nullptr;
+    OP_REQUIRES_OK(ctx,
+                   ThresholdInput(ctx, num_threshold_, channels, &threshold));
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, x.shape(), &out));
     if (x.NumElements() == 0) return;
@@ -177,11 +229,12 @@ class EstimatorGrad16Op : public OpKernel {
         reinterpret_cast<uint16_t*>(out->flat<Stored16<kFixed>>().data());
     (kFixed ? EstimatorGradFixed : EstimatorGradHalf)(
         x.flat<float>().data(), x.NumElements(), estimator_, bits,
-        ThreadPoolOf(ctx));
+        ThreadPoolOf(ctx), threshold, channels);
   }
 
  private:
   Estimator estimator_;
+  int num_threshold_ = 0;
 };
 
 template <bool kFixed>
