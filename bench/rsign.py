@@ -5,9 +5,11 @@ activations, ``scale="mean_abs"``), timed interleaved rep by rep in
 tf.function: ``plain`` binarizes its input itself (approx_sign);
 ``rsign`` puts a ``tapehook.recipes.RSign`` (approx_sign at x - beta) in front
 of it, the conv's input estimator ste_sign (which passes +-1 through), so the
-conv binarizes x - beta itself (conv2d._fold_shifted_sign); ``balanced`` is
-plain with ``balance="std"``. Forward (no
-tape) and a training step (y, dX, dW and the RSign's dbeta under a tape).
+conv binarizes x - beta itself and x - beta is never stored
+(conv2d._fold_shifted_sign, the ops' threshold input); ``balanced`` is plain
+with ``balance="std"`` (in the forward, balanced as the kept filter is
+packed). Forward (no tape) and a training step (y, dX, dW and the RSign's
+dbeta, a sum over dX, under a tape).
 Ratios are variant time / plain time (> 1: the variant costs that much more),
 min and median over reps.
 
@@ -73,7 +75,7 @@ def _block(variant, batch, size, channels):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--reps", type=int, default=30)
     parser.add_argument(
         "--out", default=str(pathlib.Path(__file__).parent / "results" / "rsign.json")
     )

@@ -612,9 +612,8 @@ OTHER_BENCHMARKS = [
     (
         "rsign.json",
         "What RSign and balanced weights cost per binary conv",
-        "A binary 3x3 conv after `RSign` (which the conv folds in: the shift is the extra "
-        'pass) or with `balance="std"` (recomputed per call: no packed-filter cache), '
-        "over the plain conv: time / plain time, median.",
+        "A binary 3x3 conv after `RSign` (folded: the conv binarizes x - beta itself) or "
+        'with `balance="std"`, over the plain conv: time / plain time, median.',
         "python bench/rsign.py",
         rsign_table,
     ),
