@@ -6,6 +6,7 @@
 
 #include "bitpacked.h"
 #include "conv_util.h"
+#include "cpu.h"
 #include "plan.h"
 
 namespace tapehook {
@@ -14,6 +15,52 @@ namespace lce {
 namespace {
 
 inline float* float_out(void* output) { return static_cast<float*>(output); }
+
+// LCE's float output transform of n dot products: x = clamp(K - dot) (exact
+// in float: dot and K are integers far below 2^24, the clamp bounds
+// integers), then x * multiplier + bias, two roundings as LCE makes them.
+// `out` may be `dots` itself (a conv of one group writes in place): each
+// element is read before it is written, so the loop vectorizes.
+void FloatOutputs(const float* dots, int64_t n, float k, float lo, float hi,
+                  const float* multiplier, const float* bias, float* out) {
+#pragma GCC ivdep
+  for (int64_t o = 0; o < n; ++o) {
+    float x = k - dots[o];
+    x = x < lo ? lo : x;
+    x = x > hi ? hi : x;
+    out[o] = x * multiplier[o] + bias[o];
+  }
+}
+
+// The same, rounded to nearest (ties away from zero, as std::round) and
+// saturated to int8.
+void Int8Outputs(const float* dots, int64_t n, float k, float lo, float hi,
+                 const float* multiplier, const float* bias, int8_t* out) {
+  for (int64_t o = 0; o < n; ++o) {
+    float x = k - dots[o];
+    x = x < lo ? lo : x;
+    x = x > hi ? hi : x;
+    const float r = std::round(x * multiplier[o] + bias[o]);
+    out[o] = static_cast<int8_t>(r < -128.0f  ? -128.0f
+                                 : r > 127.0f ? 127.0f
+                                              : r);
+  }
+}
+
+// Bit first + o of `words` (zeroed before) set where count = (K - dot) / 2
+// exceeds thresholds[o]: LCE's bitpacked output.
+void BitpackedOutputs(const float* dots, int64_t n, int32_t k,
+                      const int32_t* thresholds, int32_t* words,
+                      int64_t first) {
+  for (int64_t o = 0; o < n; ++o) {
+    const int32_t twice = k - static_cast<int32_t>(dots[o]);
+    if (twice / 2 > thresholds[o]) {
+      const int64_t bit = first + o;
+      words[bit / 32] = static_cast<int32_t>(
+          static_cast<uint32_t>(words[bit / 32]) | 1u << (bit % 32));
+    }
+  }
+}
 
 template <typename T, typename Less>
 void PackRows(const T* x, int64_t rows, int64_t channels, int32_t* out,
@@ -59,8 +106,50 @@ void ActivationRange(Activation a, int32_t* lo, int32_t* hi) {
 
 }  // namespace
 
+#if TAPEHOOK_HAVE_AVX512_PATH
+namespace {
+
+// PackRows' float form on AVX-512F, a row at a time: one ordered x < 0
+// compare per 16 values (NaN and -0.0 give 0 bits, as LCE packs), two to a
+// word; masked loads for the last word never read past the row.
+__attribute__((target("avx512f"))) void PackRows512(const float* x,
+                                                    int64_t rows,
+                                                    int64_t channels,
+                                                    int32_t* out) {
+  const __m512 zero = _mm512_setzero_ps();
+  const int64_t words = PackedWords(channels);
+  for (int64_t r = 0; r < rows; ++r, x += channels, out += words) {
+    for (int64_t w = 0; w < words; ++w) {
+      uint32_t bits = 0;
+      for (int h = 0; h < 2 && w * 32 + 16 * h < channels; ++h) {
+        const int64_t at = w * 32 + 16 * h, left = channels - at;
+        const __mmask16 k = left >= 16
+                                ? static_cast<__mmask16>(0xffff)
+                                : static_cast<__mmask16>((1u << left) - 1);
+        const __m512 v = _mm512_maskz_loadu_ps(k, x + at);
+        bits |= static_cast<uint32_t>(
+                    _mm512_mask_cmp_ps_mask(k, v, zero, _CMP_LT_OQ))
+                << (16 * h);
+      }
+      out[w] = static_cast<int32_t>(bits);
+    }
+  }
+}
+
+}  // namespace
+#endif
+
 void PackSigns(const float* x, int64_t rows, int64_t channels, int32_t* out,
                const ParallelFor& parallel_for) {
+#if TAPEHOOK_HAVE_AVX512_PATH
+  if (cpu::Float512()) {
+    const int64_t words = PackedWords(channels);
+    parallel_for(rows, channels / 8 + 1, [&](int64_t r0, int64_t r1) {
+      PackRows512(x + r0 * channels, r1 - r0, channels, out + r0 * words);
+    });
+    return;
+  }
+#endif
   PackRows(x, rows, channels, out, parallel_for,
            [](float v) { return v < 0.0f; });
 }
@@ -329,32 +418,26 @@ void BConv2D::Run(const int32_t* input, void* output,
     {
       BinaryConv2DForwardBinary(s, st.xf.data(), f, dots, parallel_for);
     }
-    // LCE's output transform of 2 * count = K - dot.
+    // LCE's output transform of 2 * count = K - dot, a row of Ng outputs at
+    // a time by the branch-free loops above (the output kind is fixed).
+    const float* mult = st.multiplier.data() + g * Ng;
+    const float* bias = st.bias.data() + g * Ng;
+    const float k = static_cast<float>(st.K);
+    const float lo = static_cast<float>(st.clamp_min);
+    const float hi = static_cast<float>(st.clamp_max);
     parallel_for(pixels, 4 * Ng + 1, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
-        for (int64_t o = 0; o < Ng; ++o) {
-          const int32_t twice = st.K - static_cast<int32_t>(dots[p * Ng + o]);
-          const int64_t oc = g * Ng + o;
-          if (st.kind == OutputKind::kBitpacked) {
-            if (twice / 2 > st.thresholds[oc]) {
-              int32_t* word =
-                  static_cast<int32_t*>(output) + p * PackedWords(N) + oc / 32;
-              *word = static_cast<int32_t>(static_cast<uint32_t>(*word) |
-                                           1u << (oc % 32));
-            }
-            continue;
-          }
-          const int32_t x =
-              std::max(std::min(twice, st.clamp_max), st.clamp_min);
-          const float v =
-              static_cast<float>(x) * st.multiplier[oc] + st.bias[oc];
-          if (st.kind == OutputKind::kFloat) {
-            float_out(output)[p * N + oc] = v;
-          } else {
-            const float r = std::round(v);
-            static_cast<int8_t*>(output)[p * N + oc] =
-                static_cast<int8_t>(std::max(-128.0f, std::min(127.0f, r)));
-          }
+        const float* row = dots + p * Ng;
+        if (st.kind == OutputKind::kBitpacked) {
+          BitpackedOutputs(row, Ng, st.K, st.thresholds.data() + g * Ng,
+                           static_cast<int32_t*>(output) + p * PackedWords(N),
+                           g * Ng);
+        } else if (st.kind == OutputKind::kFloat) {
+          FloatOutputs(row, Ng, k, lo, hi, mult, bias,
+                       float_out(output) + p * N + g * Ng);
+        } else {
+          Int8Outputs(row, Ng, k, lo, hi, mult, bias,
+                      static_cast<int8_t*>(output) + p * N + g * Ng);
         }
       }
     });
