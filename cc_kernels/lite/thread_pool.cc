@@ -1,6 +1,11 @@
 #include "thread_pool.h"
 
 #include <algorithm>
+#include <chrono>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace tapehook {
 namespace lite {
@@ -12,6 +17,22 @@ constexpr int64_t kMinParallelCost = 20000;
 // Set on the pool's threads and on a caller while it runs its shards: a
 // nested ParallelFor there runs inline (waiting on the pool would deadlock).
 thread_local bool in_pool = false;
+
+// How long a thread polls for what it waits on before it sleeps: a binary
+// op's parallel regions follow each other closely, and a condition
+// variable's sleep and wake cost more than that (a context switch each).
+constexpr auto kSpin = std::chrono::microseconds(30);
+
+template <typename Ready>
+void SpinUntil(Ready ready) {
+  const auto until = std::chrono::steady_clock::now() + kSpin;
+  for (int i = 0; !ready(); ++i) {
+#if defined(__x86_64__)
+    _mm_pause();
+#endif
+    if (i % 64 == 63 && std::chrono::steady_clock::now() > until) return;
+  }
+}
 }  // namespace
 
 ThreadPool::ThreadPool(int threads) {
@@ -32,9 +53,15 @@ void ThreadPool::Work() {
   uint64_t seen = 0;
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
-    wake_.wait(lock, [&] {
+    auto ready = [&] {
       return stop_ || (generation_ != seen && next_ < shards_);
-    });
+    };
+    if (!ready()) {
+      lock.unlock();
+      SpinUntil([&] { return stop_ || generation_.load() != seen; });
+      lock.lock();
+    }
+    wake_.wait(lock, ready);
     if (stop_) return;
     while (next_ < shards_) {
       const int64_t shard = next_++;
@@ -84,6 +111,11 @@ void ThreadPool::ParallelFor(int64_t total, int64_t cost_per_unit,
     --pending_;
   }
   in_pool = false;
+  if (pending_ != 0) {
+    lock.unlock();
+    SpinUntil([&] { return pending_.load() == 0; });
+    lock.lock();
+  }
   done_.wait(lock, [&] { return pending_ == 0; });
   shards_ = 0;
   fn_ = nullptr;

@@ -3,6 +3,7 @@
 #ifndef TAPEHOOK_LITE_THREAD_POOL_H_
 #define TAPEHOOK_LITE_THREAD_POOL_H_
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -33,9 +34,12 @@ class ThreadPool {
   std::mutex run_mutex_, mutex_;
   std::condition_variable wake_, done_;
   const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
-  int64_t total_ = 0, shards_ = 0, next_ = 0, pending_ = 0;
-  uint64_t generation_ = 0;
-  bool stop_ = false;
+  int64_t total_ = 0, shards_ = 0, next_ = 0;
+  // Written under mutex_; atomic so that a thread may spin on them without
+  // it before sleeping on a condition variable (see thread_pool.cc).
+  std::atomic<int64_t> pending_{0};
+  std::atomic<uint64_t> generation_{0};
+  std::atomic<bool> stop_{false};
 };
 
 }  // namespace lite
