@@ -597,8 +597,8 @@ OTHER_BENCHMARKS = [
         "Zoo models deployed on x86: tapehook.lite against LCE's interpreter and float",
         "224 px, random weights: the float twin (XNNPACK), the `filters='float'` file, "
         "the LCE file in LCE 0.16's interpreter and in `tapehook.lite`; one thread unless "
-        "said, batch 1, median of 10.",
-        "python bench/deploy.py --zoo QuickNetSmall,BiRealNet --size 224 --repeats 10 "
+        "said, batch 1, median of 50.",
+        "python bench/deploy.py --zoo QuickNetSmall,BiRealNet --size 224 "
         "--out bench/results/deploy_zoo.json",
         deploy_zoo_table,
     ),
