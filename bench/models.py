@@ -17,7 +17,10 @@ tests/test_bench_models.py checks the parameter counts agree):
 - ``larq-style``: Keras 3 Conv2D whose convolution is stock ``tf.nn.conv2d``
   on sign(x) and (alpha *) sign(W), each sign a ``tf.custom_gradient`` with
   larq's pseudo-gradient, padding with +1 where the recipe pads with 1;
-- ``tapehook``: the float model's convs, kernels clipped, ``tapehook.binarize``d;
+- ``tapehook``: the float model's convs, kernels clipped, ``tapehook.binarize``d
+  with ``fast_layers=False`` (Keras's own batch norm, pool, add and Adam);
+- ``tapehook-default``: the same binarized as a user does it, nothing else said
+  (binarize's fast layers swap those four for tapehook's);
 - ``float-fused`` / ``tapehook-fused``: ``float`` / ``tapehook`` with every batch
   norm ``tapehook.layers.BatchNormalization`` and ``tapehook.optimizers.Adam``
   (TF's fused kernels, as tf-keras trains with) instead of Keras 3's, and
@@ -95,6 +98,7 @@ IMPLS = (
     "float-fused",
     "larq-style",
     "tapehook",
+    "tapehook-default",
     "tapehook-fused",
     "tapehook-recompute",
     "tapehook-recompute-f16",
@@ -132,7 +136,11 @@ RECOMPUTE_BELOW_CHANNELS = {
 BACKPROP_DY_SETTINGS = {"tapehook-recompute-early-bf16x2": "bf16x2"}
 RECOMPUTE_IMPLS = ("tapehook-recompute", *PACK_SETTINGS, *RECOMPUTE_BELOW_CHANNELS)
 FUSED_IMPLS = ("float-fused", "tapehook-fused", *RECOMPUTE_IMPLS)
-TAPEHOOK_IMPLS = ("tapehook", "tapehook-fused", *RECOMPUTE_IMPLS)
+# "tapehook-default": the float model's stock Keras layers binarized with
+# nothing else said, as a user gets it: binarize's fast layers decide the batch
+# norms, pools, adds and Adam (tapehook.models). "tapehook": the same with
+# fast_layers=False (Keras's layers kept).
+TAPEHOOK_IMPLS = ("tapehook", "tapehook-default", "tapehook-fused", *RECOMPUTE_IMPLS)
 FLOAT_IMPLS = ("float", "float-fused")
 # Run by bench/torch_models.py in a python with torch (no TF there).
 TORCH_IMPLS = ("pytorch", "pytorch-channels-last", "pytorch-compile")
@@ -453,10 +461,10 @@ def build(K, model, impl, estimator, size, **kwargs):
         os.environ["TAPEHOOK_BACKPROP_DY"] = BACKPROP_DY_SETTINGS.get(impl, _BACKPROP_DY)
 
         # fast_layers=False: each configuration's layers are the ones it names
-        # (the plain "tapehook" one keeps Keras's batch norm, pool, add and Adam).
-        tapehook.binarize(
-            net, include="binary*", fast_layers=False, **tapehook_spec(model, estimator)
-        )
+        # (the plain "tapehook" one keeps Keras's batch norm, pool, add and Adam);
+        # "tapehook-default" leaves the choice to binarize, as users do.
+        fast = {} if impl == "tapehook-default" else {"fast_layers": False}
+        tapehook.binarize(net, include="binary*", **fast, **tapehook_spec(model, estimator))
     return net
 
 

@@ -220,27 +220,30 @@ def headline(data, memory):
     )
 
 
+TORCH_IMPLS = ("pytorch", "pytorch-channels-last", "pytorch-compile")
+
+
 def models_headline():
-    """The whole-model sentence: tapehook's exact configurations (not the bf16x2 opt-in)
-    at batch 32 in MODEL_RUNS, against larq 0.14 (training) and larq-style (predict)."""
-    rows = [
-        r
-        for name, _, _ in MODEL_RUNS
-        for r in load(RESULTS / name)["rows"]
-        if r["batch"] == 32 and r["impl"].startswith("tapehook") and "bf16x2" not in r["impl"]
-    ]
+    """The whole-model sentence: the default path (a stock Keras model
+    binarized, DEFAULT_RUN) at batch 32 against larq 0.14 and the fastest
+    PyTorch form, training and predict."""
+    data = load(RESULTS / DEFAULT_RUN[0])
+    rows = [r for r in data["rows"] if r["impl"] == "tapehook-default" and r["batch"] == 32]
     if not rows:
         return ""
-    train = [r["train_x_larq_median"] for r in rows if "train_x_larq_median" in r]
-    predict = [r["predict_x_larq-style_median"] for r in rows if "predict_x_larq-style_median" in r]
+
+    def spans(what):
+        larq = [r[f"{what}_x_larq_median"] for r in rows if f"{what}_x_larq_median" in r]
+        torch = [_against_fastest(r, what, TORCH_IMPLS) for r in rows]
+        torch = [t for t in torch if t is not None]
+        return f"{_span(larq)} as fast as larq 0.14 and {_span(torch)} as fast as PyTorch"
+
     sizes = " and ".join(f"{s} px" for s in sorted({r["size"] for r in rows}))
-    first = load(RESULTS / MODEL_RUNS[0][0])
-    machine = _cpu_words({**first, "cpu_model": first["machine"]})
+    machine = _cpu_words({**data, "cpu_model": data["machine"]})
     return (
-        f" **Whole models** on a {machine} (Bi-Real-Net-18, QuickNet-small; Keras `fit` / "
-        f"`predict`, batch 32, "
-        f"{sizes}, with tapehook's fused layers): training {_span(train)} as fast as larq 0.14, "
-        f"predict {_span(predict)} as fast as a larq-style composite on Keras 3: "
+        f" **Whole models as users write them** on a {machine} (Bi-Real-Net-18, "
+        f"QuickNet-small from Keras's own layers, `tapehook.binarize`d; batch 32, {sizes}): "
+        f"training {spans('train')}, predict {spans('predict')}: "
         "[docs/models.md](docs/models.md)."
     )
 
@@ -682,24 +685,31 @@ MEMORY_RUNS = [
     ),
 ]
 
-# Whole models against PyTorch: (file, its command line).
-PYTORCH_RUN = (
-    "models_pytorch_112px.json",
-    "python bench/models.py --models birealnet18 --sizes 112 --batches 32 --estimators own "
-    "--impls pytorch,pytorch-channels-last,pytorch-compile,larq,tapehook --rounds 2 "
-    "--no-profile --no-tensor-memory --torch-python TORCH_ENV/bin/python "
-    "--larq-python LARQ_ENV/bin/python --out bench/results/models_pytorch_112px.json",
+# The default path (a stock Keras model binarized, nothing else said) against
+# larq 0.14, PyTorch and the float network: (file, its command line).
+DEFAULT_RUN = (
+    "models_default_112px.json",
+    "python bench/models.py --models birealnet18,quicknet_small --sizes 112 --batches 1,32 "
+    "--estimators own --impls tapehook-default,larq,larq-style,float-fused,"
+    "pytorch-channels-last,pytorch-compile --rounds 2 --no-profile --tensor-repeats 1 "
+    "--torch-python TORCH_ENV/bin/python --larq-python LARQ_ENV/bin/python "
+    "--out bench/results/models_default_112px.json",
 )
 
-MODELS_PYTORCH = """\
-### Against PyTorch
+MODELS_DEFAULT = """\
+## The default path
 
-Bi-Real-Net-18 as BNN papers' PyTorch code writes it (`bench/torch_models.py`:
-autograd signs, `F.conv2d` on sign(x) and mean|W| * sign(W), `nn.BatchNorm2d`,
-Adam, kernels clipped; `tests/test_bench_models.py` checks it against the
-Keras model), NCHW, channels-last and `torch.compile`, with TF's thread count.
-tapehook: the stock Keras 3 model binarized. `TORCH_ENV`: a venv with torch
-(CPU build).
+What a user gets who writes the model with Keras's own layers and calls
+`tapehook.binarize` with nothing else (`tapehook-default`; fast layers on).
+PyTorch: the architecture as BNN papers' PyTorch code writes it
+(`bench/torch_models.py`: autograd signs, `F.conv2d` on sign(x) and
+mean|W| * sign(W), `nn.BatchNorm2d`, Adam, kernels clipped;
+`tests/test_bench_models.py` checks it against the Keras model),
+channels-last and `torch.compile`, with TF's thread count; x PyTorch is
+against the faster of the two in each round. x float: against the float
+network with tapehook's layers (float-fused). Tensor peak: x lower than
+larq-style's, batch 32 against batch 1. `TORCH_ENV`: a venv with torch (CPU
+build).
 """
 
 MODELS_INTRO = """\
@@ -713,8 +723,10 @@ QuickNet-small on synthetic data, each implementation in its own subprocess
 (`tests/test_bench_models.py` checks they compute the same model).
 float-fused: the float network with tapehook's batch norm and Adam;
 larq-style: larq's math on Keras 3; larq: larq 0.14 on tf-keras (`LARQ_ENV`);
-tapehook-recompute-early: a stock Keras model binarized, as it runs by default
-(fast layers); -bf16x2: with `backprop_dy="bf16x2"`. The JSONs hold every
+tapehook-recompute-early: tapehook's layers written into the model, batch
+norms narrower than 256 channels recomputed (what fast layers choose, with the
+pool's ReLU fusion on; the default path itself: its own section below);
+-bf16x2: with `backprop_dy="bf16x2"`. The JSONs hold every
 configuration measured. Ratios are within a round (median over rounds); img/s:
 batch / median step time.
 """
@@ -737,10 +749,9 @@ def _run_line(data):
     )
 
 
-# The configuration a binarized stock Keras model gets by default (fast
-# layers: recompute in the early stages), and its opt-in variant; a run
-# without them shows every tapehook configuration it measured. The JSON
-# keeps every row.
+# The configuration closest to what fast layers choose (recompute in the early
+# stages), and its opt-in variant; a run without them shows every tapehook
+# configuration it measured. The JSON keeps every row.
 DEFAULT_CONFIGURATIONS = ("tapehook-recompute-early", "tapehook-recompute-early-bf16x2")
 
 
@@ -790,18 +801,32 @@ def models_memory_table(data):
     return lines
 
 
-def models_pytorch_table(data):
+def _against_fastest(row, what, impls):
+    """row's median ratio against the fastest of ``impls`` (the smallest ratio)."""
+    ratios = [row.get(f"{what}_x_{impl}_median") for impl in impls]
+    ratios = [r for r in ratios if r is not None]
+    return min(ratios) if ratios else None
+
+
+def models_default_table(data):
     lines = [
-        "| impl | train img/s best / median | train x tapehook (med) "
-        "| predict img/s best / median | predict x tapehook (med) |",
-        "|---|---|---|---|---|",
+        "| model | batch | input estimator | train img/s | x larq 0.14 | x PyTorch "
+        "| predict img/s | x larq 0.14 | x PyTorch | predict x float | tensor peak x lower |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in data["rows"]:
+    torch_impls = TORCH_IMPLS
+    rows = sorted(data["rows"], key=lambda r: (r["model"], -r["batch"]))
+    for r in rows:
+        if r["impl"] != "tapehook-default":
+            continue
+        peak = r.get("tensor_peak_x_lower_than_larq_style")  # on the batch-32 row
         lines.append(
-            f"| {r['impl']} | {r['train_img_s_best']:.1f} / {r['train_img_s_median']:.1f} "
-            f"| {_x(r.get('train_x_tapehook_median'))} "
-            f"| {r['predict_img_s_best']:.1f} / {r['predict_img_s_median']:.1f} "
-            f"| {_x(r.get('predict_x_tapehook_median'))} |"
+            f"| {r['model']} | {r['batch']} | {r['estimator']} "
+            f"| {r['train_img_s_median']:.1f} | {_x(r.get('train_x_larq_median'))} "
+            f"| {_x(_against_fastest(r, 'train', torch_impls))} "
+            f"| {r['predict_img_s_median']:.1f} | {_x(r.get('predict_x_larq_median'))} "
+            f"| {_x(_against_fastest(r, 'predict', torch_impls))} "
+            f"| {_x(r.get('predict_x_float-fused_median'))} | {_x(peak)} |"
         )
     return lines
 
@@ -814,18 +839,11 @@ def models_doc():
         out += ["```bash", command, "```", ""]
         out += models_speed_table(data)
         out.append("")
-    name, command = PYTORCH_RUN
+    name, command = DEFAULT_RUN
     data = load(RESULTS / name)
-    load_avg = f"{data['load_start'][0]:.1f} at the start, {data['load_end'][0]:.1f} at the end"
-    out += [
-        MODELS_PYTORCH,
-        f"`bench/results/{name}`. {_run_line(data)} Measured while other "
-        f"work ran on the machine (load average {load_avg}): compare rows of this "
-        "table with each other, not with the tables above. Rerun:",
-        "",
-    ]
+    out += [MODELS_DEFAULT, f"`bench/results/{name}`. {_run_line(data)} Rerun:", ""]
     out += ["```bash", command, "```", ""]
-    out += models_pytorch_table(data)
+    out += models_default_table(data)
     out.append("")
     out.append(MODELS_MEMORY)
     for name, command in MEMORY_RUNS:

@@ -120,7 +120,9 @@ def test_tapehook_runs_binary_kernels_and_matches_larq_style(model, estimator, i
     # rounds differently in tf.function, and at these tiny widths (batch 2 of
     # 1x1 images at the end) that flips signs. The layer itself is checked
     # against Keras's in test_layers.py.
-    norm = {"batch_norm": tapehook.layers.BatchNormalization} if impl in FUSED else {}
+    # tapehook-default's Keras batch norms become tapehook's (fast layers).
+    fast = impl in FUSED or impl == "tapehook-default"
+    norm = {"batch_norm": tapehook.layers.BatchNormalization} if fast else {}
     ours, theirs = build(model, impl, estimator), build(model, "larq-style", estimator, **norm)
     theirs.set_weights(ours.get_weights())
     x = tf.random.stateless_normal([2, SIZE, SIZE, 3], seed=[1, 2])
@@ -140,9 +142,11 @@ def test_tapehook_runs_binary_kernels_and_matches_larq_style(model, estimator, i
     loss_ours = ours.fit(x, y, epochs=1, verbose=0).history["loss"][0]
     counts = tapehook.dispatch_counts()
     # tapehook-recompute's batch norms run each binary forward again in the
-    # backward (tapehook.layers.BatchNormalization(recompute=True)).
+    # backward (tapehook.layers.BatchNormalization(recompute=True)); so do the
+    # default's, all narrower than 256 channels at these widths.
+    recompute = impl in bench_models.RECOMPUTE_IMPLS or impl == "tapehook-default"
     assert counts["compiled"] == {
-        "forward": convs * (2 if impl in bench_models.RECOMPUTE_IMPLS else 1),
+        "forward": convs * (2 if recompute else 1),
         "backprop_input": convs,
         "backprop_filter": convs,
     }
@@ -172,6 +176,29 @@ def test_recompute_early_rebuilds_only_the_narrow_batch_norms(model):
         "backprop_input": convs,
         "backprop_filter": convs,
     }
+
+
+@pytest.mark.parametrize("model", list(bench_models.ARCHITECTURES))
+def test_default_impl_is_what_binarize_gives(model):
+    """tapehook-default measures the path a user gets: Keras's own batch norm,
+    max pool, add and Adam as built, tapehook's once the binarized model runs
+    (fast layers); the "tapehook" configuration keeps Keras's."""
+    est = bench_models.RECIPES[model]["estimators"][0]
+    x = tf.random.stateless_normal([2, SIZE, SIZE, 3], seed=[1, 2])
+    swapped = {}
+    for impl in ("tapehook-default", "tapehook"):
+        net = build(model, impl, est)
+        net.compile(
+            keras.optimizers.Adam(0.0), "sparse_categorical_crossentropy", jit_compile=False
+        )
+        net.fit(x, np.arange(2), epochs=1, verbose=0)
+        norms = [l for l in net.layers if type(l).__name__ == "BatchNormalization"]
+        assert norms
+        swapped[impl] = (
+            all(isinstance(l, tapehook.layers.BatchNormalization) for l in norms),
+            isinstance(net.optimizer, tapehook.optimizers.Adam),
+        )
+    assert swapped == {"tapehook-default": (True, True), "tapehook": (False, False)}
 
 
 def test_float_model_is_stock():
