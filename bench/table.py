@@ -220,6 +220,7 @@ def headline(data, memory):
     )
 
 
+# bench/models.py's PyTorch configurations (table.py reads only their JSON).
 TORCH_IMPLS = ("pytorch", "pytorch-channels-last", "pytorch-compile")
 
 
@@ -814,7 +815,6 @@ def models_default_table(data):
         "| predict img/s | x larq 0.14 | x PyTorch | predict x float | tensor peak x lower |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    torch_impls = TORCH_IMPLS
     rows = sorted(data["rows"], key=lambda r: (r["model"], -r["batch"]))
     for r in rows:
         if r["impl"] != "tapehook-default":
@@ -823,9 +823,9 @@ def models_default_table(data):
         lines.append(
             f"| {r['model']} | {r['batch']} | {r['estimator']} "
             f"| {r['train_img_s_median']:.1f} | {_x(r.get('train_x_larq_median'))} "
-            f"| {_x(_against_fastest(r, 'train', torch_impls))} "
+            f"| {_x(_against_fastest(r, 'train', TORCH_IMPLS))} "
             f"| {r['predict_img_s_median']:.1f} | {_x(r.get('predict_x_larq_median'))} "
-            f"| {_x(_against_fastest(r, 'predict', torch_impls))} "
+            f"| {_x(_against_fastest(r, 'predict', TORCH_IMPLS))} "
             f"| {_x(r.get('predict_x_float-fused_median'))} | {_x(peak)} |"
         )
     return lines
