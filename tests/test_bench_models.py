@@ -84,11 +84,13 @@ def test_same_structure_and_parameters(model):
         assert [tapehook.binary_spec_of(layer.kernel) for layer in binary_layers(nets[impl])] == [
             spec
         ] * convs
-    # Only the -fused implementations' batch norms are tapehook's layer.
+    # Only the -fused implementations' batch norms are tapehook's layer, and
+    # tapehook-default's, which binarize swaps in (fast layers).
     for impl, net in nets.items():
+        ours = impl in FUSED or impl == "tapehook-default"
         norms = [l for l in net.layers if isinstance(l, keras.layers.BatchNormalization)]
         assert norms and all(
-            isinstance(l, tapehook.layers.BatchNormalization) == (impl in FUSED) for l in norms
+            isinstance(l, tapehook.layers.BatchNormalization) == ours for l in norms
         ), impl
     for impl in ("float", "float-fused", "larq-style"):
         assert all(
@@ -180,9 +182,10 @@ def test_recompute_early_rebuilds_only_the_narrow_batch_norms(model):
 
 @pytest.mark.parametrize("model", list(bench_models.ARCHITECTURES))
 def test_default_impl_is_what_binarize_gives(model):
-    """tapehook-default measures the path a user gets: Keras's own batch norm,
-    max pool, add and Adam as built, tapehook's once the binarized model runs
-    (fast layers); the "tapehook" configuration keeps Keras's."""
+    """tapehook-default measures the path a user gets: the model is built with
+    Keras's own batch norm, max pool, add and Adam, and binarize and fit put
+    tapehook's in their place (fast layers); the "tapehook" configuration
+    keeps Keras's."""
     est = bench_models.RECIPES[model]["estimators"][0]
     x = tf.random.stateless_normal([2, SIZE, SIZE, 3], seed=[1, 2])
     swapped = {}
