@@ -21,6 +21,12 @@ tests/test_bench_models.py checks the parameter counts agree):
   with ``fast_layers=False`` (Keras's own batch norm, pool, add and Adam);
 - ``tapehook-default``: the same binarized as a user does it, nothing else said
   (binarize's fast layers swap those four for tapehook's);
+- ``tapehook-larq``: larq code run through the drop-in: the larq configuration
+  below written with ``tapehook.larq`` on Keras 3 (``lq.layers.QuantConv2D``,
+  its quantizers and WeightClip, Keras's own batch norm, pool, add and Adam);
+- ``tapehook-zoo``: ``tapehook.zoo.BiRealNet`` / ``QuickNetSmall`` (larq-zoo's
+  architectures as the zoo builds them, random weights), each model's own
+  estimator only;
 - ``float-fused`` / ``tapehook-fused``: ``float`` / ``tapehook`` with every batch
   norm ``tapehook.layers.BatchNormalization`` and ``tapehook.optimizers.Adam``
   (TF's fused kernels, as tf-keras trains with) instead of Keras 3's, and
@@ -99,6 +105,8 @@ IMPLS = (
     "larq-style",
     "tapehook",
     "tapehook-default",
+    "tapehook-larq",
+    "tapehook-zoo",
     "tapehook-fused",
     "tapehook-recompute",
     "tapehook-recompute-f16",
@@ -140,7 +148,12 @@ FUSED_IMPLS = ("float-fused", "tapehook-fused", *RECOMPUTE_IMPLS)
 # nothing else said, as a user gets it: binarize's fast layers decide the batch
 # norms, pools, adds and Adam (tapehook.models). "tapehook": the same with
 # fast_layers=False (Keras's layers kept).
-TAPEHOOK_IMPLS = ("tapehook", "tapehook-default", "tapehook-fused", *RECOMPUTE_IMPLS)
+# "tapehook-larq" / "tapehook-zoo": larq code through tapehook.larq, and
+# tapehook.zoo's models: tapehook is in charge of both (fast layers).
+DEFAULT_IMPLS = ("tapehook-default", "tapehook-larq", "tapehook-zoo")
+TAPEHOOK_IMPLS = ("tapehook", *DEFAULT_IMPLS, "tapehook-fused", *RECOMPUTE_IMPLS)
+# The binarize'd ones (the others mark their binary convs themselves).
+BINARIZED_IMPLS = ("tapehook", "tapehook-default", "tapehook-fused", *RECOMPUTE_IMPLS)
 FLOAT_IMPLS = ("float", "float-fused")
 # Run by bench/torch_models.py in a python with torch (no TF there).
 TORCH_IMPLS = ("pytorch", "pytorch-channels-last", "pytorch-compile")
@@ -355,16 +368,11 @@ def binary_conv_factory(K, impl, model, estimator):
 
     if impl in FLOAT_IMPLS:
         return lambda *a: K.layers.Conv2D(**common(*a))
-    if impl in TAPEHOOK_IMPLS:  # binarized after the model is built
-        import tapehook
-
-        # tapehook's WeightClip, as a user writes it (tapehook.larq's
-        # WeightClip is the same class): tapehook.optimizers.Adam (the -fused
-        # and -recompute implementations) updates and clips such a kernel
-        # in one pass; Keras's Adam applies it as the constraint it is.
-        return lambda *a: K.layers.Conv2D(**common(*a), kernel_constraint=tapehook.WeightClip(clip))
-    if impl == "larq":
-        import larq as lq
+    if impl == "larq" or impl == "tapehook-larq":
+        if impl == "larq":
+            import larq as lq
+        else:
+            import tapehook.larq as lq
 
         input_q = (
             lq.quantizers.SteSign(clip_value=clip)
@@ -383,6 +391,14 @@ def binary_conv_factory(K, impl, model, estimator):
             kernel_constraint=lq.constraints.WeightClip(clip),
             pad_values=pad_value,
         )
+    if impl in BINARIZED_IMPLS:  # binarized after the model is built
+        import tapehook
+
+        # tapehook's WeightClip, as a user writes it (tapehook.larq's
+        # WeightClip is the same class): tapehook.optimizers.Adam (the -fused
+        # and -recompute implementations) updates and clips such a kernel
+        # in one pass; Keras's Adam applies it as the constraint it is.
+        return lambda *a: K.layers.Conv2D(**common(*a), kernel_constraint=tapehook.WeightClip(clip))
     if impl != "larq-style":
         raise SystemExit(f"unknown implementation {impl!r}; use one of {IMPLS}")
     import tensorflow as tf
@@ -426,6 +442,25 @@ def tapehook_spec(model, estimator):
     )
 
 
+ZOO_MODELS = {"birealnet18": "BiRealNet", "quicknet_small": "QuickNetSmall"}
+
+
+def zoo_model(model, estimator, size, classes=CLASSES, **widths):
+    """tapehook.zoo's model of an architecture (random weights); the zoo fixes
+    the widths and the input estimator (the model's own)."""
+    import tapehook.zoo
+
+    own = RECIPES[model]["estimators"][0]
+    if widths or estimator != own:
+        raise SystemExit(
+            f"tapehook-zoo builds {ZOO_MODELS[model]} as larq-zoo does: its own "
+            f"estimator ({own}) and widths only, not {estimator!r} / {widths}"
+        )
+    return getattr(tapehook.zoo, ZOO_MODELS[model])(
+        input_shape=(size, size, 3), num_classes=classes
+    )
+
+
 def build(K, model, impl, estimator, size, **kwargs):
     """The model of one configuration (tapehook's binarized)."""
     if impl in FUSED_IMPLS:
@@ -451,14 +486,19 @@ def build(K, model, impl, estimator, size, **kwargs):
         # tapehook's add: in inference, done by the binary conv before it
         # (its batch norm folded in too)
         kwargs.setdefault("add", tapehook.layers.Add)
-    net = ARCHITECTURES[model](K, binary_conv_factory(K, impl, model, estimator), size, **kwargs)
+    if impl == "tapehook-zoo":
+        net = zoo_model(model, estimator, size, **kwargs)
+    else:
+        net = ARCHITECTURES[model](
+            K, binary_conv_factory(K, impl, model, estimator), size, **kwargs
+        )
     if impl in TAPEHOOK_IMPLS:
-        import tapehook
-
         # Each binary conv's forward reads it (traced after this): set per
         # implementation, so configurations built in one process differ only so.
         os.environ["TAPEHOOK_PACK_INPUTS"] = PACK_SETTINGS.get(impl, _PACK_INPUTS)
         os.environ["TAPEHOOK_BACKPROP_DY"] = BACKPROP_DY_SETTINGS.get(impl, _BACKPROP_DY)
+    if impl in BINARIZED_IMPLS:
+        import tapehook
 
         # fast_layers=False: each configuration's layers are the ones it names
         # (the plain "tapehook" one keeps Keras's batch norm, pool, add and Adam);
@@ -1166,7 +1206,13 @@ def main():
             else [e for e in estimators.split(",") if e in ests]
         )
         configs = [(i, None) for i in impls if i in FLOAT_IMPLS]
-        configs += [(i, e) for e in ests for i in impls if i not in FLOAT_IMPLS]
+        own = RECIPES[model]["estimators"][0]
+        configs += [
+            (i, e)
+            for e in ests
+            for i in impls
+            if i not in FLOAT_IMPLS and (i != "tapehook-zoo" or e == own)
+        ]
         for size in sizes:
             for batch in batches:
                 groups.append((model, size, batch, configs))

@@ -691,7 +691,8 @@ MEMORY_RUNS = [
 DEFAULT_RUN = (
     "models_default_112px.json",
     "python bench/models.py --models birealnet18,quicknet_small --sizes 112 --batches 1,32 "
-    "--estimators own --impls tapehook-default,larq,larq-style,float-fused,"
+    "--estimators own --impls tapehook-default,tapehook-larq,tapehook-zoo,larq,larq-style,"
+    "float-fused,"
     "pytorch-channels-last,pytorch-compile --rounds 2 --no-profile --tensor-repeats 1 "
     "--torch-python TORCH_ENV/bin/python --larq-python LARQ_ENV/bin/python "
     "--out bench/results/models_default_112px.json",
@@ -700,8 +701,12 @@ DEFAULT_RUN = (
 MODELS_DEFAULT = """\
 ## The default path
 
-What a user gets who writes the model with Keras's own layers and calls
-`tapehook.binarize` with nothing else (`tapehook-default`; fast layers on).
+What a user gets with nothing but tapehook's defaults (fast layers on):
+`binarize`: the model written with Keras's own layers and
+`tapehook.binarize`d; `tapehook.larq`: the same model as larq code
+(`lq.layers.QuantConv2D`, Keras's own batch norm, pool, add and Adam) run
+through the drop-in; `tapehook.zoo`: `tapehook.zoo.BiRealNet` /
+`QuickNetSmall` (random weights, the model's own input estimator).
 PyTorch: the architecture as BNN papers' PyTorch code writes it
 (`bench/torch_models.py`: autograd signs, `F.conv2d` on sign(x) and
 mean|W| * sign(W), `nn.BatchNorm2d`, Adam, kernels clipped;
@@ -809,19 +814,27 @@ def _against_fastest(row, what, impls):
     return min(ratios) if ratios else None
 
 
+# The default path's configurations, as the table names them.
+DEFAULT_IMPLS = {
+    "tapehook-default": "`binarize`",
+    "tapehook-larq": "`tapehook.larq`",
+    "tapehook-zoo": "`tapehook.zoo`",
+}
+
+
 def models_default_table(data):
     lines = [
-        "| model | batch | input estimator | train img/s | x larq 0.14 | x PyTorch "
+        "| model | batch | written as | input estimator | train img/s | x larq 0.14 | x PyTorch "
         "| predict img/s | x larq 0.14 | x PyTorch | predict x float | tensor peak x lower |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    rows = sorted(data["rows"], key=lambda r: (r["model"], -r["batch"]))
+    order = list(DEFAULT_IMPLS)
+    rows = [r for r in data["rows"] if r["impl"] in DEFAULT_IMPLS]
+    rows.sort(key=lambda r: (r["model"], -r["batch"], order.index(r["impl"])))
     for r in rows:
-        if r["impl"] != "tapehook-default":
-            continue
         peak = r.get("tensor_peak_x_lower_than_larq_style")  # on the batch-32 row
         lines.append(
-            f"| {r['model']} | {r['batch']} | {r['estimator']} "
+            f"| {r['model']} | {r['batch']} | {DEFAULT_IMPLS[r['impl']]} | {r['estimator']} "
             f"| {r['train_img_s_median']:.1f} | {_x(r.get('train_x_larq_median'))} "
             f"| {_x(_against_fastest(r, 'train', TORCH_IMPLS))} "
             f"| {r['predict_img_s_median']:.1f} | {_x(r.get('predict_x_larq_median'))} "

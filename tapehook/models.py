@@ -296,6 +296,26 @@ def _decide_fast(layer, inputs):
                     _set_fast(optimizer, True)
 
 
+def decide_fast_layers(model):
+    """Decides now, for a built model tapehook is in charge of, what its
+    layers' first calls would: its stock BatchNormalization, MaxPooling2D and
+    Add layers become tapehook's (or stay Keras's, fast_layers off). For
+    models built to be tapehook's (tapehook.zoo), so that ``summary()`` and
+    the layers' classes say so before the first call."""
+    on = _fast_choice([model])
+    if on is None:
+        return model
+    for layer in model._flatten_layers(include_self=False):
+        if (
+            layer.built
+            and type(layer) in _fast_classes()
+            and not getattr(layer, _FAST_DECIDED, False)
+        ):
+            _set(layer, _FAST_DECIDED, True)
+            _set_fast(layer, on)
+    return model
+
+
 def before_layer_call(layer, inputs=None):
     """Decides a layer's spec under the nearest binarized model on the stack
     (and whether it runs tapehook's fast layer: _decide_fast)."""

@@ -300,3 +300,15 @@ def inference_gradients(net, x, variables):
 
     types = [op.type for op in g.get_concrete_function(x).graph.get_operations()]
     return g(x), types
+
+
+def recomputed_binary_convs(model):
+    """The binary convs (tapehook.larq layers) of a functional model whose
+    output a recomputing batch norm rebuilds: each runs its forward again in
+    a training step's backward."""
+    return [
+        norm.input._keras_history.operation
+        for norm in model.layers
+        if getattr(norm, "recompute", False)
+        and getattr(norm.input._keras_history.operation, "input_quantizer", None)
+    ]

@@ -15,6 +15,8 @@ import tensorflow as tf
 
 import tapehook
 
+from conftest import recomputed_binary_convs
+
 pytestmark = pytest.mark.slow
 
 _PATH = pathlib.Path(__file__).resolve().parents[1] / "bench" / "models.py"
@@ -26,8 +28,11 @@ SIZE, CLASSES = 32, 10
 TINY = {"birealnet18": dict(filters=8), "quicknet_small": dict(filters=(8, 16, 32, 64))}
 # (binary convs, of which strided) per architecture, from the papers.
 BINARY_CONVS = {"birealnet18": (16, 3), "quicknet_small": (16, 0)}
-TAPEHOOK = bench_models.TAPEHOOK_IMPLS
+# tapehook-zoo builds the zoo's models at their own widths (its own test).
+TAPEHOOK = tuple(i for i in bench_models.TAPEHOOK_IMPLS if i != "tapehook-zoo")
 FUSED = bench_models.FUSED_IMPLS
+# Where tapehook is in charge with nothing said: its layers once the model runs.
+FAST = (*FUSED, "tapehook-default", "tapehook-larq")
 
 
 @pytest.fixture(autouse=True)
@@ -85,9 +90,11 @@ def test_same_structure_and_parameters(model):
             spec
         ] * convs
     # Only the -fused implementations' batch norms are tapehook's layer, and
-    # tapehook-default's, which binarize swaps in (fast layers).
+    # those of the models tapehook is in charge of (fast layers: binarize
+    # swaps them in, a tapehook.larq model at its first call).
     for impl, net in nets.items():
-        ours = impl in FUSED or impl == "tapehook-default"
+        net(tf.zeros([1, SIZE, SIZE, 3]), training=False)
+        ours = impl in FAST
         norms = [l for l in net.layers if isinstance(l, keras.layers.BatchNormalization)]
         assert norms and all(
             isinstance(l, tapehook.layers.BatchNormalization) == ours for l in norms
@@ -122,8 +129,9 @@ def test_tapehook_runs_binary_kernels_and_matches_larq_style(model, estimator, i
     # rounds differently in tf.function, and at these tiny widths (batch 2 of
     # 1x1 images at the end) that flips signs. The layer itself is checked
     # against Keras's in test_layers.py.
-    # tapehook-default's Keras batch norms become tapehook's (fast layers).
-    fast = impl in FUSED or impl == "tapehook-default"
+    # tapehook-default's and tapehook-larq's Keras batch norms become
+    # tapehook's (fast layers).
+    fast = impl in FAST
     norm = {"batch_norm": tapehook.layers.BatchNormalization} if fast else {}
     ours, theirs = build(model, impl, estimator), build(model, "larq-style", estimator, **norm)
     theirs.set_weights(ours.get_weights())
@@ -146,7 +154,7 @@ def test_tapehook_runs_binary_kernels_and_matches_larq_style(model, estimator, i
     # tapehook-recompute's batch norms run each binary forward again in the
     # backward (tapehook.layers.BatchNormalization(recompute=True)); so do the
     # default's, all narrower than 256 channels at these widths.
-    recompute = impl in bench_models.RECOMPUTE_IMPLS or impl == "tapehook-default"
+    recompute = impl in bench_models.RECOMPUTE_IMPLS or impl in bench_models.DEFAULT_IMPLS
     assert counts["compiled"] == {
         "forward": convs * (2 if recompute else 1),
         "backprop_input": convs,
@@ -189,7 +197,7 @@ def test_default_impl_is_what_binarize_gives(model):
     est = bench_models.RECIPES[model]["estimators"][0]
     x = tf.random.stateless_normal([2, SIZE, SIZE, 3], seed=[1, 2])
     swapped = {}
-    for impl in ("tapehook-default", "tapehook"):
+    for impl in ("tapehook-default", "tapehook-larq", "tapehook"):
         net = build(model, impl, est)
         net.compile(
             keras.optimizers.Adam(0.0), "sparse_categorical_crossentropy", jit_compile=False
@@ -201,7 +209,43 @@ def test_default_impl_is_what_binarize_gives(model):
             all(isinstance(l, tapehook.layers.BatchNormalization) for l in norms),
             isinstance(net.optimizer, tapehook.optimizers.Adam),
         )
-    assert swapped == {"tapehook-default": (True, True), "tapehook": (False, False)}
+    assert swapped == {
+        "tapehook-default": (True, True),
+        "tapehook-larq": (True, True),
+        "tapehook": (False, False),
+    }
+
+
+@pytest.mark.parametrize("model", list(bench_models.ARCHITECTURES))
+def test_zoo_impl_is_the_zoo_model_on_kernels(model):
+    """tapehook-zoo is tapehook.zoo's model: the architecture's parameter count
+    (Bi-Real-Net-18 exactly, QuickNet-small within 0.1 %, at the real widths),
+    its batch norms and Adam tapehook's, and a fit step runs every binary conv
+    on the kernels (again for those a recomputing batch norm rebuilds)."""
+    est = bench_models.RECIPES[model]["estimators"][0]
+    keras.utils.set_random_seed(0)
+    net = bench_models.build(keras, model, "tapehook-zoo", est, SIZE, classes=CLASSES)
+    assert net.name == model
+    float_net = bench_models.build(keras, model, "float", None, SIZE, classes=CLASSES)
+    assert abs(net.count_params() - float_net.count_params()) <= 1e-3 * float_net.count_params()
+    other = bench_models.RECIPES[model]["estimators"][1]
+    with pytest.raises(SystemExit, match="own estimator"):
+        bench_models.build(keras, model, "tapehook-zoo", other, SIZE, classes=CLASSES)
+    net.compile(keras.optimizers.Adam(0.0), "sparse_categorical_crossentropy", jit_compile=False)
+    x = tf.random.stateless_normal([2, SIZE, SIZE, 3], seed=[1, 2])
+    tapehook.reset_dispatch_counts()
+    net.fit(x, np.arange(2), epochs=1, verbose=0)
+    norms = [l for l in net.layers if isinstance(l, keras.layers.BatchNormalization)]
+    assert all(isinstance(l, tapehook.layers.BatchNormalization) for l in norms)
+    assert isinstance(net.optimizer, tapehook.optimizers.Adam)
+    convs, _ = BINARY_CONVS[model]
+    rebuilt = recomputed_binary_convs(net)
+    assert rebuilt
+    assert tapehook.dispatch_counts()["compiled"] == {
+        "forward": convs + len(rebuilt),
+        "backprop_input": convs,
+        "backprop_filter": convs,
+    }
 
 
 def test_float_model_is_stock():

@@ -18,6 +18,8 @@ from tapehook import layers as th
 from tapehook.errors import TapehookError
 from tapehook.zoo import quicknet, resnets
 
+from conftest import recomputed_binary_convs
+
 SIZE = 64
 
 
@@ -115,8 +117,37 @@ def test_fit_step_runs_every_binary_conv_on_kernels(name):
     model.fit(images(2), np.array([0, 1]), batch_size=2, epochs=1, verbose=0)
     counts = tapehook.dispatch_counts()
     n = len(binary_convs(model))
-    assert counts["compiled"] == {"forward": n, "backprop_input": n, "backprop_filter": n}
+    # A batch norm that recomputes runs its binary conv's forward again.
+    rebuilt = len(recomputed_binary_convs(model))
+    assert counts["compiled"] == {
+        "forward": n + rebuilt,
+        "backprop_input": n,
+        "backprop_filter": n,
+    }
     assert not any(counts["reference"].values())
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fast_layers_decide_the_zoo_models_layers(name):
+    """The zoo writes Keras's own batch norms, pools and adds; as in any model
+    tapehook is in charge of, they are tapehook's, batch norms of fewer than
+    256 channels recomputing, and stay Keras's with fast_layers off."""
+    model = model_of(name)
+    kinds = (keras.layers.BatchNormalization, keras.layers.MaxPooling2D, keras.layers.Add)
+    layers = [l for l in model.layers if isinstance(l, kinds)]
+    assert layers and all(type(l).__module__ == "tapehook.layers" for l in layers)
+    norms = [l for l in layers if isinstance(l, keras.layers.BatchNormalization)]
+    assert [l.recompute for l in norms] == [l.input.shape[-1] < 256 for l in norms]
+    with tapehook.config(fast_layers=False):
+        stock = MODELS[name][0](input_shape=(SIZE, SIZE, 3))
+    layers = [l for l in stock.layers if isinstance(l, kinds)]
+    assert len(layers) == len([l for l in model.layers if isinstance(l, kinds)])
+    assert all(type(l).__module__.startswith("keras.") for l in layers)
+    x = images(2)
+    stock.set_weights(model.get_weights())
+    np.testing.assert_allclose(
+        model.predict(x, verbose=0), stock.predict(x, verbose=0), rtol=1e-4, atol=1e-6
+    )
 
 
 def test_quicknet_pads_binarized_input_with_plus_one():

@@ -13,6 +13,7 @@ import pathlib
 
 import keras
 
+from tapehook import models
 from tapehook.errors import TapehookError
 
 RELEASES_URL = "https://github.com/larq/zoo/releases/download"
@@ -149,6 +150,9 @@ def finish(inputs, outputs, name, weights, include_top, files):
     missing when larq-zoo released none).
     """
     model = keras.Model(inputs=inputs, outputs=outputs, name=name)
+    # The zoo writes Keras's own batch norms, pools and adds; fast layers
+    # decide, as for any model tapehook is in charge of (tapehook.models).
+    models.decide_fast_layers(model)
     if weights == "imagenet":
         key = "top" if include_top else "notop"
         entry = files.get(key)

@@ -25,7 +25,6 @@ import keras
 import tensorflow as tf
 
 import tapehook.larq as lq
-from tapehook import layers as th_layers
 from tapehook.zoo import _common
 
 __all__ = ["BinaryAlexNet", "DoReFaNet", "XNORNet"]
@@ -33,7 +32,7 @@ __all__ = ["BinaryAlexNet", "DoReFaNet", "XNORNet"]
 
 def _batch_norm(epsilon):
     # None of the three learns a scale: a sign (or ReLU) follows every norm.
-    return th_layers.BatchNormalization(momentum=0.9, scale=False, epsilon=epsilon)
+    return keras.layers.BatchNormalization(momentum=0.9, scale=False, epsilon=epsilon)
 
 
 def _softmax():
@@ -100,16 +99,16 @@ def XNORNet(  # noqa: N802 (larq-zoo's public names)
     )(inputs)
     x = _batch_norm(1e-5)(x)
     x = keras.layers.Activation("relu")(x)
-    x = th_layers.MaxPooling2D(3, strides=2)(x)
+    x = keras.layers.MaxPooling2D(3, strides=2)(x)
     x = _batch_norm(1e-4)(x)
     x = _xnor_conv(256, 5)(x)
-    x = th_layers.MaxPooling2D(3, strides=2)(x)
+    x = keras.layers.MaxPooling2D(3, strides=2)(x)
     x = _batch_norm(1e-4)(x)
     for filters in (384, 384):
         x = _xnor_conv(filters, 3)(x)
         x = _batch_norm(1e-4)(x)
     x = _xnor_conv(256, 3)(x)
-    x = th_layers.MaxPooling2D(3, strides=2)(x)
+    x = keras.layers.MaxPooling2D(3, strides=2)(x)
     x = _batch_norm(1e-4)(x)
     x = _xnor_conv(4096, 6, padding="valid")(x)  # the first fully connected layer
     x = _batch_norm(1e-4)(x)
@@ -198,7 +197,7 @@ def DoReFaNet(  # noqa: N802 (larq-zoo's public names)
         x = _dorefa_quantized(lq.layers.QuantConv2D, filters, kernel_size, padding="same")(x)
         x = _batch_norm(1e-4)(x)
         if pool_padding:
-            x = th_layers.MaxPooling2D(3, strides=2, padding=pool_padding)(x)
+            x = keras.layers.MaxPooling2D(3, strides=2, padding=pool_padding)(x)
     if include_top:
         x = keras.layers.Flatten()(x)
         for _ in range(2):
@@ -261,7 +260,7 @@ def BinaryAlexNet(  # noqa: N802 (larq-zoo's public names)
     ):
         x = _alexnet_conv(filters, kernel_size, strides, binary_input=x is not inputs)(x)
         if pool:
-            x = th_layers.MaxPooling2D(3, strides=2)(x)
+            x = keras.layers.MaxPooling2D(3, strides=2)(x)
         x = _batch_norm(1e-3)(x)
     if include_top:
         # The fully connected layers as 1x1 convs on the flattened features.

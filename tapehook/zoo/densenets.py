@@ -21,7 +21,6 @@ import dataclasses
 import keras
 
 import tapehook.larq as lq
-from tapehook import layers as th_layers
 from tapehook.zoo import _common
 
 __all__ = [
@@ -53,7 +52,7 @@ def _binary_conv(filters, *, dilation_rate=1, name=None):
 
 
 def _batch_norm(name=None):
-    return th_layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name=name)
+    return keras.layers.BatchNormalization(momentum=0.9, epsilon=1e-5, name=name)
 
 
 def _relu(name=None):
@@ -157,7 +156,7 @@ def _densenet(config, input_shape, input_tensor, weights, include_top, num_class
         x = keras.layers.Conv2D(64, 7, strides=2, padding="same", **conv)(inputs)
         x = _batch_norm()(x)
         x = _relu()(x)
-        x = th_layers.MaxPooling2D(3, strides=2, padding="same")(x)
+        x = keras.layers.MaxPooling2D(3, strides=2, padding="same")(x)
 
     last = len(config.blocks) - 1
     for stage, convs in enumerate(config.blocks):
@@ -169,7 +168,7 @@ def _densenet(config, input_shape, input_tensor, weights, include_top, num_class
             break
         x = _batch_norm()(x)
         if config.dilation[stage + 1] == 1:
-            x = th_layers.MaxPooling2D(2, strides=2)(x)
+            x = keras.layers.MaxPooling2D(2, strides=2)(x)
         x = _relu()(x)
         width = _transition_width(x.shape[-1], config.reduction[stage])
         x = keras.layers.Conv2D(width, 1, **conv)(x)
@@ -266,7 +265,7 @@ _MELIUS_INIT = "glorot_normal"
 
 
 def _melius_pool(name):
-    return th_layers.MaxPooling2D(2, strides=2, padding="same", name=name)
+    return keras.layers.MaxPooling2D(2, strides=2, padding="same", name=name)
 
 
 def _melius_conv(filters, kernel_size, name, strides=1):

@@ -24,7 +24,6 @@ import keras
 import numpy as np
 
 import tapehook.larq as lq
-from tapehook import layers as th
 from tapehook.zoo import _common
 
 __all__ = ["QuickNet", "QuickNetLarge", "QuickNetSmall"]
@@ -112,12 +111,12 @@ def _stem(x, filters):
         use_bias=False,
         kernel_initializer="he_normal",
     )(x)
-    x = th.BatchNormalization()(x)
+    x = keras.layers.BatchNormalization()(x)
     x = keras.layers.Activation("relu")(x)
     x = lq.layers.QuantDepthwiseConv2D(3, strides=2, padding="same", use_bias=False)(x)
-    x = th.BatchNormalization(scale=False, center=False)(x)
+    x = keras.layers.BatchNormalization(scale=False, center=False)(x)
     x = lq.layers.QuantConv2D(filters, 1, use_bias=False, kernel_initializer="he_normal")(x)
-    return th.BatchNormalization()(x)
+    return keras.layers.BatchNormalization()(x)
 
 
 def _residual_block(x):
@@ -131,13 +130,13 @@ def _residual_block(x):
         kernel_initializer="glorot_normal",
         **_binary_conv_kwargs(),
     )(x)
-    y = th.BatchNormalization(momentum=0.9, epsilon=1e-5)(y)
-    return th.Add()([y, x])
+    y = keras.layers.BatchNormalization(momentum=0.9, epsilon=1e-5)(y)
+    return keras.layers.Add()([y, x])
 
 
 def _transition(x, filters):
     x = keras.layers.Activation("relu")(x)
-    x = th.MaxPooling2D(pool_size=2, strides=1)(x)
+    x = keras.layers.MaxPooling2D(pool_size=2, strides=1)(x)
     x = keras.layers.DepthwiseConv2D(
         3,
         strides=2,
@@ -147,7 +146,7 @@ def _transition(x, filters):
         trainable=False,
     )(x)
     x = lq.layers.QuantConv2D(filters, 1, use_bias=False, kernel_initializer="glorot_normal")(x)
-    return th.BatchNormalization(momentum=0.9, epsilon=1e-5)(x)
+    return keras.layers.BatchNormalization(momentum=0.9, epsilon=1e-5)(x)
 
 
 def _quicknet(variant, input_shape, input_tensor, weights, include_top, num_classes):

@@ -5,7 +5,6 @@ code describe it; :func:`ReActNetA` has the architecture."""
 import keras
 
 import tapehook.larq as lq
-from tapehook import layers as th
 from tapehook.errors import TapehookError
 from tapehook.recipes import RPReLU, RSign
 from tapehook.zoo import _common
@@ -50,8 +49,8 @@ def _half(x, shortcut, kernel_size, strides, copies, name):
     for copy in range(copies):
         part = f"{name}_{copy + 1}" if copies > 1 else name
         y = _binary_conv(channels, kernel_size, strides, f"{part}_conv")(signs)
-        y = th.BatchNormalization(name=f"{part}_bn", **_BN)(y)
-        sums.append(th.Add(name=f"{part}_add")([y, shortcut]))
+        y = keras.layers.BatchNormalization(name=f"{part}_bn", **_BN)(y)
+        sums.append(keras.layers.Add(name=f"{part}_add")([y, shortcut]))
     y = sums[0] if copies == 1 else keras.layers.Concatenate(name=f"{name}_concat")(sums)
     return RPReLU(name=f"{name}_rprelu")(y)
 
@@ -134,7 +133,7 @@ def ReActNetA(  # noqa: N802 (the zoo's public names)
     x = keras.layers.Conv2D(
         STEM_WIDTH, 3, strides=2, padding="same", use_bias=False, name="stem_conv"
     )(inputs)
-    x = th.BatchNormalization(name="stem_bn", **_BN)(x)
+    x = keras.layers.BatchNormalization(name="stem_bn", **_BN)(x)
     for index, (_, filters, strides) in enumerate(BLOCKS, start=1):
         x = _block(x, filters, strides, f"block_{index}")
     if include_top:

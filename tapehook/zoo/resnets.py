@@ -31,7 +31,6 @@ release files load by position):
 import keras
 
 import tapehook.larq as lq
-from tapehook import layers as th
 from tapehook.zoo import _common
 
 __all__ = ["BiRealNet", "BinaryResNetE18", "RealToBinaryNet"]
@@ -51,7 +50,7 @@ def _downsampling_shortcut(x, filters, batch_norm, padding, names=None):
     x = keras.layers.Conv2D(
         filters, 1, use_bias=False, kernel_initializer="glorot_normal", name=conv
     )(x)
-    return th.BatchNormalization(name=norm, **batch_norm)(x)
+    return keras.layers.BatchNormalization(name=norm, **batch_norm)(x)
 
 
 # ---------------------------------------------------------------------------
@@ -83,8 +82,8 @@ def _birealnet_block(x, filters):
         kernel_initializer="glorot_normal",
         use_bias=False,
     )(x)
-    y = th.BatchNormalization(**bn)(y)
-    return th.Add()([y, shortcut])
+    y = keras.layers.BatchNormalization(**bn)(y)
+    return keras.layers.Add()([y, shortcut])
 
 
 def BiRealNet(  # noqa: N802 (larq-zoo's public names)
@@ -96,8 +95,8 @@ def BiRealNet(  # noqa: N802 (larq-zoo's public names)
     x = keras.layers.Conv2D(
         64, 7, strides=2, padding="same", use_bias=False, kernel_initializer="glorot_normal"
     )(inputs)
-    x = th.BatchNormalization(momentum=0.8)(x)
-    x = th.MaxPooling2D(3, strides=2, padding="same")(x)
+    x = keras.layers.BatchNormalization(momentum=0.8)(x)
+    x = keras.layers.MaxPooling2D(3, strides=2, padding="same")(x)
     for filters in (64, 128, 256, 512):
         for _ in range(4):
             x = _birealnet_block(x, filters)
@@ -136,8 +135,8 @@ def _resnet_e_block(x, filters, strides):
         kernel_initializer="glorot_normal",
         use_bias=False,
     )(x)
-    y = th.BatchNormalization(**_RESNET_E_BN)(y)
-    return th.Add()([y, shortcut])
+    y = keras.layers.BatchNormalization(**_RESNET_E_BN)(y)
+    return keras.layers.Add()([y, shortcut])
 
 
 def BinaryResNetE18(  # noqa: N802 (larq-zoo's public names)
@@ -152,10 +151,10 @@ def BinaryResNetE18(  # noqa: N802 (larq-zoo's public names)
         x = keras.layers.Conv2D(64, 3, **stem)(inputs)
     else:
         x = keras.layers.Conv2D(64, 7, strides=2, **stem)(inputs)
-        x = th.BatchNormalization(**_RESNET_E_BN)(x)
+        x = keras.layers.BatchNormalization(**_RESNET_E_BN)(x)
         x = keras.layers.Activation("relu")(x)
-        x = th.MaxPooling2D(3, strides=2, padding="same")(x)
-        x = th.BatchNormalization(**_RESNET_E_BN)(x)
+        x = keras.layers.MaxPooling2D(3, strides=2, padding="same")(x)
+        x = keras.layers.BatchNormalization(**_RESNET_E_BN)(x)
     for stage, filters in enumerate((64, 128, 256, 512)):
         # ResNet-18's two blocks of two convs per stage, a shortcut around each conv.
         for block in range(4):
@@ -217,7 +216,7 @@ def _r2b_half_block(x, downsample, name):
             padding="same",
             names=tuple(f"{name}_shortcut_{s}" for s in ("pool", "conv2d", "batch_norm")),
         )
-    conv_input = th.BatchNormalization(name=f"{name}_batch_norm", **_R2B_BN)(x)
+    conv_input = keras.layers.BatchNormalization(name=f"{name}_batch_norm", **_R2B_BN)(x)
     y = lq.layers.QuantConv2D(
         out_channels,
         3,
@@ -232,7 +231,7 @@ def _r2b_half_block(x, downsample, name):
     )(conv_input)
     y = _r2b_rescaling(conv_input, y, name)
     y = keras.layers.PReLU(shared_axes=[1, 2], name=f"{name}_prelu")(y)
-    return th.Add(name=f"{name}_skip_add")([y, shortcut])
+    return keras.layers.Add(name=f"{name}_skip_add")([y, shortcut])
 
 
 def RealToBinaryNet(  # noqa: N802 (larq-zoo's public names)
@@ -251,9 +250,9 @@ def RealToBinaryNet(  # noqa: N802 (larq-zoo's public names)
         kernel_initializer="glorot_normal",
         name=f"{stem}_conv2d",
     )(inputs)
-    x = th.BatchNormalization(name=f"{stem}_batch_norm", **_R2B_BN)(x)
+    x = keras.layers.BatchNormalization(name=f"{stem}_batch_norm", **_R2B_BN)(x)
     x = keras.layers.PReLU(shared_axes=[1, 2], name=f"{stem}_prelu")(x)
-    x = th.MaxPooling2D(3, strides=2, padding="same", name=f"{stem}_pool")(x)
+    x = keras.layers.MaxPooling2D(3, strides=2, padding="same", name=f"{stem}_pool")(x)
     for block in range(2, 10):
         name = f"{_R2B_NAME}_block_{block}"
         x = _r2b_half_block(x, downsample=block in (4, 6, 8), name=f"{name}a")
