@@ -226,10 +226,16 @@ TORCH_IMPLS = ("pytorch", "pytorch-channels-last", "pytorch-compile")
 
 def models_headline():
     """The whole-model sentence: the default path (a stock Keras model
-    binarized, DEFAULT_RUN) at batch 32 against larq 0.14 and the fastest
+    binarized, DEFAULT_RUNS) at batch 32 against larq 0.14 and the fastest
     PyTorch form, training and predict."""
-    data = load(RESULTS / DEFAULT_RUN[0])
-    rows = [r for r in data["rows"] if r["impl"] == "tapehook-default" and r["batch"] == 32]
+    runs = [load(RESULTS / name) for name, _ in DEFAULT_RUNS]
+    data = runs[0]
+    rows = [
+        r
+        for run in runs
+        for r in run["rows"]
+        if r["impl"] == "tapehook-default" and r["batch"] == 32
+    ]
     if not rows:
         return ""
 
@@ -688,15 +694,25 @@ MEMORY_RUNS = [
 
 # The default path (a stock Keras model binarized, nothing else said) against
 # larq 0.14, PyTorch and the float network: (file, its command line).
-DEFAULT_RUN = (
-    "models_default_112px.json",
-    "python bench/models.py --models birealnet18,quicknet_small --sizes 112 --batches 1,32 "
-    "--estimators own --impls tapehook-default,tapehook-larq,tapehook-zoo,larq,larq-style,"
-    "float-fused,"
-    "pytorch-channels-last,pytorch-compile --rounds 2 --no-profile --tensor-repeats 1 "
-    "--torch-python TORCH_ENV/bin/python --larq-python LARQ_ENV/bin/python "
-    "--out bench/results/models_default_112px.json",
-)
+DEFAULT_RUNS = [
+    (
+        "models_default_112px.json",
+        "python bench/models.py --models birealnet18,quicknet_small --sizes 112 --batches 1,32 "
+        "--estimators own --impls tapehook-default,tapehook-larq,tapehook-zoo,larq,larq-style,"
+        "float-fused,"
+        "pytorch-channels-last,pytorch-compile --rounds 2 --no-profile --tensor-repeats 1 "
+        "--torch-python TORCH_ENV/bin/python --larq-python LARQ_ENV/bin/python "
+        "--out bench/results/models_default_112px.json",
+    ),
+    (
+        "models_default_224px.json",
+        "python bench/models.py --models birealnet18,quicknet_small --sizes 224 --batches 32 "
+        "--estimators own --impls tapehook-default,tapehook-larq,tapehook-zoo,larq,larq-style,"
+        "pytorch-channels-last,pytorch-compile --rounds 1 --no-profile --no-tensor-memory "
+        "--torch-python TORCH_ENV/bin/python --larq-python LARQ_ENV/bin/python "
+        "--out bench/results/models_default_224px.json",
+    ),
+]
 
 MODELS_DEFAULT = """\
 ## The default path
@@ -824,9 +840,10 @@ DEFAULT_IMPLS = {
 
 def models_default_table(data):
     lines = [
-        "| model | batch | written as | input estimator | train img/s | x larq 0.14 | x PyTorch "
-        "| predict img/s | x larq 0.14 | x PyTorch | predict x float | tensor peak x lower |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | px | batch | written as | input estimator | train img/s | x larq 0.14 "
+        "| x PyTorch | predict img/s | x larq 0.14 | x PyTorch | predict x float "
+        "| tensor peak x lower |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     order = list(DEFAULT_IMPLS)
     rows = [r for r in data["rows"] if r["impl"] in DEFAULT_IMPLS]
@@ -834,7 +851,8 @@ def models_default_table(data):
     for r in rows:
         peak = r.get("tensor_peak_x_lower_than_larq_style")  # on the batch-32 row
         lines.append(
-            f"| {r['model']} | {r['batch']} | {DEFAULT_IMPLS[r['impl']]} | {r['estimator']} "
+            f"| {r['model']} | {r['size']} | {r['batch']} | {DEFAULT_IMPLS[r['impl']]} "
+            f"| {r['estimator']} "
             f"| {r['train_img_s_median']:.1f} | {_x(r.get('train_x_larq_median'))} "
             f"| {_x(_against_fastest(r, 'train', TORCH_IMPLS))} "
             f"| {r['predict_img_s_median']:.1f} | {_x(r.get('predict_x_larq_median'))} "
@@ -852,12 +870,13 @@ def models_doc():
         out += ["```bash", command, "```", ""]
         out += models_speed_table(data)
         out.append("")
-    name, command = DEFAULT_RUN
-    data = load(RESULTS / name)
-    out += [MODELS_DEFAULT, f"`bench/results/{name}`. {_run_line(data)} Rerun:", ""]
-    out += ["```bash", command, "```", ""]
-    out += models_default_table(data)
-    out.append("")
+    out.append(MODELS_DEFAULT)
+    for name, command in DEFAULT_RUNS:
+        data = load(RESULTS / name)
+        out += [f"`bench/results/{name}`. {_run_line(data)} Rerun:", ""]
+        out += ["```bash", command, "```", ""]
+        out += models_default_table(data)
+        out.append("")
     out.append(MODELS_MEMORY)
     for name, command in MEMORY_RUNS:
         data = load(RESULTS / name)
