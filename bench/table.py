@@ -870,20 +870,17 @@ def models_doc():
         out += ["```bash", command, "```", ""]
         out += models_speed_table(data)
         out.append("")
-    out.append(MODELS_DEFAULT)
-    for name, command in DEFAULT_RUNS:
-        data = load(RESULTS / name)
-        out += [f"`bench/results/{name}`. {_run_line(data)} Rerun:", ""]
-        out += ["```bash", command, "```", ""]
-        out += models_default_table(data)
-        out.append("")
-    out.append(MODELS_MEMORY)
-    for name, command in MEMORY_RUNS:
-        data = load(RESULTS / name)
-        out += [f"`bench/results/{name}`. {_run_line(data)} Rerun:", ""]
-        out += ["```bash", command, "```", ""]
-        out += models_memory_table(data)
-        out.append("")
+    for intro, runs, table in (
+        (MODELS_DEFAULT, DEFAULT_RUNS, models_default_table),
+        (MODELS_MEMORY, MEMORY_RUNS, models_memory_table),
+    ):
+        out.append(intro)
+        for name, command in runs:
+            data = load(RESULTS / name)
+            out += [f"`bench/results/{name}`. {_run_line(data)} Rerun:", ""]
+            out += ["```bash", command, "```", ""]
+            out += table(data)
+            out.append("")
     out += [
         "Where a step's time goes, op by op: `python bench/step_ops.py --inter-op-1` "
         "(a 224 px Bi-Real-Net-18 step under the TF profiler).",
