@@ -277,23 +277,33 @@ def _fast_choice(owners):
     return None
 
 
+def _undecided_stock(layer) -> bool:
+    """A stock BatchNormalization / MaxPooling2D / Add layer whose fast
+    layer is not decided yet."""
+    return type(layer) in _fast_classes() and not getattr(layer, _FAST_DECIDED, False)
+
+
+def _decide(obj, on, inputs=None):
+    """Decides once whether a layer / optimizer runs tapehook's version."""
+    _set(obj, _FAST_DECIDED, True)
+    _set_fast(obj, on, inputs)
+
+
 def _decide_fast(layer, inputs):
     """At a call: a stock BatchNormalization / MaxPooling2D / Add layer
     under a model tapehook is in charge of becomes tapehook's (once), and
     such a model's Keras Adam becomes tapehook's."""
-    if type(layer) in _fast_classes() and not getattr(layer, _FAST_DECIDED, False):
+    if _undecided_stock(layer):
         on = _fast_choice(layer_stack()[:-1])
         if on is not None:
-            _set(layer, _FAST_DECIDED, True)
-            _set_fast(layer, on, inputs)
+            _decide(layer, on, inputs)
     elif isinstance(layer, _keras().Model):
         optimizers = _optimizers_of(layer)
         if optimizers and any(type(o) in _fast_classes() for o in optimizers):
             on = _fast_choice([layer])
             for optimizer in optimizers:
                 if on and not getattr(optimizer, _FAST_DECIDED, False):
-                    _set(optimizer, _FAST_DECIDED, True)
-                    _set_fast(optimizer, True)
+                    _decide(optimizer, True)
 
 
 def decide_fast_layers(model):
@@ -306,13 +316,8 @@ def decide_fast_layers(model):
     if on is None:
         return model
     for layer in model._flatten_layers(include_self=False):
-        if (
-            layer.built
-            and type(layer) in _fast_classes()
-            and not getattr(layer, _FAST_DECIDED, False)
-        ):
-            _set(layer, _FAST_DECIDED, True)
-            _set_fast(layer, on)
+        if layer.built and _undecided_stock(layer):
+            _decide(layer, on)
     return model
 
 
@@ -486,11 +491,9 @@ def _binarize_target(target, policy):
             elif layer.built or not fast:
                 # Built layers now (a batch norm's channels are known); the
                 # others at their first call under the model.
-                _set(layer, _FAST_DECIDED, True)
-                _set_fast(layer, fast)
+                _decide(layer, fast)
         for optimizer in _optimizers_of(target):
-            _set(optimizer, _FAST_DECIDED, True)
-            _set_fast(optimizer, fast)
+            _decide(optimizer, fast)
         return target
     if isinstance(target, tf.Module):
         for var in target.variables:

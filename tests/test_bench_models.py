@@ -32,7 +32,7 @@ BINARY_CONVS = {"birealnet18": (16, 3), "quicknet_small": (16, 0)}
 TAPEHOOK = tuple(i for i in bench_models.TAPEHOOK_IMPLS if i != "tapehook-zoo")
 FUSED = bench_models.FUSED_IMPLS
 # Where tapehook is in charge with nothing said: its layers once the model runs.
-FAST = (*FUSED, "tapehook-default", "tapehook-larq")
+FAST = (*FUSED, *(i for i in bench_models.DEFAULT_IMPLS if i in TAPEHOOK))
 
 
 @pytest.fixture(autouse=True)
