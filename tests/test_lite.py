@@ -256,6 +256,70 @@ def test_two_threads_same_bits(lce_file):
             np.testing.assert_array_equal(one.get_tensor(t), two.get_tensor(t))
 
 
+_SHARED_POOL_SCRIPT = """
+import sys, threading, time, numpy as np
+from tapehook import lite
+x = np.load(sys.argv[2])
+want = np.load(sys.argv[3])
+errors = []
+
+def run(k):
+    try:
+        interp = lite.Interpreter(sys.argv[1], num_threads=2)
+        interp.allocate_tensors()
+        out = interp.get_output_details()[0]["index"]
+        for i in range(40):
+            interp.set_tensor(interp.get_input_details()[0]["index"], x)
+            interp.invoke()
+            got = interp.get_tensor(out)
+            if not np.array_equal(got, want):
+                errors.append(f"caller {k}, invoke {i}: {np.abs(got - want).max()}")
+            # Past the pool's polling: its thread sleeps and must be woken.
+            if i % 4 == 3:
+                time.sleep(0.002)
+    except Exception as e:
+        errors.append(repr(e))
+
+callers = [threading.Thread(target=run, args=(k,)) for k in range(3)]
+for c in callers:
+    c.start()
+for c in callers:
+    c.join()
+print("\\n".join(errors))
+sys.exit(1 if errors else 0)
+"""
+
+
+def test_shared_pool_concurrent_callers(lce_file, tmp_path):
+    """Interpreters with the same thread count share one pool: three Python
+    threads invoking their own interpreters at once, with pauses that let the
+    pool's thread fall asleep, all get the one-thread outputs bit for bit,
+    and the process neither hangs (a fresh process under a timeout) nor
+    fails."""
+    import subprocess
+    import sys
+
+    x = _inputs(7)
+    one = _run(lce_file, x)
+    want = one.get_tensor(one.get_output_details()[0]["index"])
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "want.npy", want)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _SHARED_POOL_SCRIPT,
+            str(lce_file),
+            str(tmp_path / "x.npy"),
+            str(tmp_path / "want.npy"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+
+
 # ---------------------------------------------------------------- bad files
 
 

@@ -171,6 +171,19 @@ inline BitInput PickBitInput(const ConvShape& s) {
                                                           : BitInput::kBands;
 }
 
+// Pixels per block of the packed and pixel forms: whole register tiles,
+// at most kBitPixelBlock512, and few enough that a small output (batch 1,
+// a late stage: 7x7 = 49 pixels) still makes kMinBlocks blocks. Full-size
+// blocks there left one thread 48 pixels and the other 1.
+inline int64_t SharedPixelBlock(int64_t pixels) {
+  constexpr int64_t kMinBlocks = 16;
+  const int64_t even = (pixels + kMinBlocks - 1) / kMinBlocks;
+  const int64_t block =
+      (even + simd::kConvMR - 1) / simd::kConvMR * simd::kConvMR;
+  return std::min<int64_t>(kBitPixelBlock512,
+                           std::max<int64_t>(block, simd::kConvMR));
+}
+
 // Output rows per band: at least enough that the input rows two bands share
 // add at most a quarter to the packing, else as few as give about kBandUnits
 // units over the batch.
@@ -358,23 +371,21 @@ void BitpackedBlocks512(const ConvShape& s, BitInput input, const T* x,
       return std::pair<const uint64_t*, int64_t>(xb + n * s.in_h * s.in_w * cw,
                                                  0);
     };
-    const int64_t blocks = (pixels + kBitPixelBlock512 - 1) / kBitPixelBlock512;
-    parallel_for(
-        blocks, kBitPixelBlock512 * pixel_cost, [&](int64_t b0, int64_t b1) {
-          Scratch sc = new_scratch();
-          for (int64_t b = b0; b < b1; ++b) {
-            const int64_t pix0 = b * kBitPixelBlock512;
-            const int64_t np = std::min(kBitPixelBlock512, pixels - pix0);
-            // Stride-1 kPixels: the next block's floats follow.
-            const bool ahead = input == BitInput::kPixels &&
-                               s.out_h == s.in_h && s.out_w == s.in_w &&
-                               b + 1 < b1;
-            const int64_t next_np =
-                std::min(kBitPixelBlock512, pixels - pix0 - np);
-            run_block(sc, pix0, np, whole_input, x + (pix0 + np) * C,
-                      ahead ? lines_of(next_np * C) : 0);
-          }
-        });
+    const int64_t block = SharedPixelBlock(pixels);
+    const int64_t blocks = (pixels + block - 1) / block;
+    parallel_for(blocks, block * pixel_cost, [&](int64_t b0, int64_t b1) {
+      Scratch sc = new_scratch();
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t pix0 = b * block;
+        const int64_t np = std::min(block, pixels - pix0);
+        // Stride-1 kPixels: the next block's floats follow.
+        const bool ahead = input == BitInput::kPixels && s.out_h == s.in_h &&
+                           s.out_w == s.in_w && b + 1 < b1;
+        const int64_t next_np = std::min(block, pixels - pix0 - np);
+        run_block(sc, pix0, np, whole_input, x + (pix0 + np) * C,
+                  ahead ? lines_of(next_np * C) : 0);
+      }
+    });
     return;
   }
 

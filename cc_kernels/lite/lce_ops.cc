@@ -150,7 +150,10 @@ Status QuantizeEval(Context* context, Node* node) {
   Tensor* out = TensorAt(context, node->outputs, 0);
   int64_t rows, channels;
   RowsAndChannels(in, &rows, &channels);
-  const ParallelFor pf = PoolFor(context).AsParallelFor();
+  ThreadPool& pool = PoolFor(context);
+  // Also wakes the pool for the binary conv that usually follows.
+  const ThreadPool::Busy busy(pool);
+  const ParallelFor pf = pool.AsParallelFor();
   auto* words = static_cast<int32_t*>(out->data);
   if (in->type == kFloat32) {
     lce::PackSigns(static_cast<const float*>(in->data), rows, channels, words,
@@ -201,7 +204,9 @@ Status DequantizeEval(Context* context, Node* node) {
   Tensor* out = TensorAt(context, node->outputs, 0);
   int64_t rows, channels;
   RowsAndChannels(out, &rows, &channels);
-  const ParallelFor pf = PoolFor(context).AsParallelFor();
+  ThreadPool& pool = PoolFor(context);
+  const ThreadPool::Busy busy(pool);
+  const ParallelFor pf = pool.AsParallelFor();
   const auto* words = static_cast<const int32_t*>(in->data);
   if (out->type == kFloat32) {
     lce::UnpackSigns(words, rows, channels, static_cast<float*>(out->data), pf);
@@ -387,8 +392,10 @@ Status BConvEval(Context* context, Node* node) {
   auto* data = static_cast<BConvData*>(node->user_data);
   Tensor* input = TensorAt(context, node->inputs, 0);
   Tensor* out = TensorAt(context, node->outputs, 0);
+  ThreadPool& pool = PoolFor(context);
+  const ThreadPool::Busy busy(pool);
   data->conv.Run(static_cast<const int32_t*>(input->data), out->data,
-                 PoolFor(context).AsParallelFor());
+                 pool.AsParallelFor());
   return kOk;
 }
 
@@ -453,10 +460,12 @@ Status PoolEval(Context* context, Node* node) {
   auto* data = static_cast<PoolData*>(node->user_data);
   Tensor* in = TensorAt(context, node->inputs, 0);
   Tensor* out = TensorAt(context, node->outputs, 0);
+  ThreadPool& pool = PoolFor(context);
+  const ThreadPool::Busy busy(pool);
   lce::BMaxPool(static_cast<const int32_t*>(in->data), Dim(in, 0), Dim(in, 1),
                 Dim(in, 2), Dim(in, 3), data->k_h, data->k_w, data->stride_h,
                 data->stride_w, data->same, static_cast<int32_t*>(out->data),
-                PoolFor(context).AsParallelFor());
+                pool.AsParallelFor());
   return kOk;
 }
 

@@ -1,5 +1,7 @@
 #include "thread_pool.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <chrono>
 
@@ -18,19 +20,45 @@ constexpr int64_t kMinParallelCost = 20000;
 // nested ParallelFor there runs inline (waiting on the pool would deadlock).
 thread_local bool in_pool = false;
 
-// How long a thread polls for what it waits on before it sleeps: a binary
-// op's parallel regions follow each other closely, and a condition
-// variable's sleep and wake cost more than that (a context switch each).
+// How long the caller polls for the pool's threads to finish before it
+// sleeps: a condition variable's sleep and wake cost more than that (a
+// context switch each).
 constexpr auto kSpin = std::chrono::microseconds(30);
+// How long a pool thread keeps polling after the last op ended (Busy): the
+// float ops LiteRT runs between two binary ops are usually shorter, and a
+// thread asleep takes longer to wake (on a VM especially) than many of the
+// next op's regions last. It polls with sched_yield there, which lets XNNPACK's
+// own threads have this core; while an op runs, with pause (nothing else runs
+// then).
+constexpr auto kIdlePoll = std::chrono::microseconds(200);
 
-template <typename Ready>
-void SpinUntil(Ready ready) {
-  const auto until = std::chrono::steady_clock::now() + kSpin;
-  for (int i = 0; !ready(); ++i) {
+void Pause() {
 #if defined(__x86_64__)
-    _mm_pause();
+  _mm_pause();
 #endif
-    if (i % 64 == 63 && std::chrono::steady_clock::now() > until) return;
+}
+
+// Polls until ready(), or until `poll` has passed since busy() was last
+// true.
+template <typename Ready, typename Hold>
+void PollUntil(Ready ready, Hold busy, std::chrono::microseconds poll,
+               bool yield_when_idle) {
+  auto until = std::chrono::steady_clock::now() + poll;
+  bool held = busy();
+  for (int i = 0; !ready(); ++i) {
+    if (yield_when_idle && !held) {
+      sched_yield();
+    } else {
+      Pause();
+      if (i % 64 != 63) continue;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    held = busy();
+    if (held) {
+      until = now + poll;
+    } else if (now > until) {
+      return;
+    }
   }
 }
 }  // namespace
@@ -53,16 +81,25 @@ void ThreadPool::Work() {
   uint64_t seen = 0;
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
-    auto ready = [&] {
-      return stop_ || (generation_ != seen && next_ < shards_);
-    };
-    if (!ready()) {
-      lock.unlock();
-      SpinUntil([&] { return stop_ || generation_.load() != seen; });
-      lock.lock();
+    lock.unlock();
+    PollUntil([&] { return stop_ || generation_.load() != seen; },
+              [&] { return busy_.load() > 0; }, kIdlePoll, true);
+    lock.lock();
+    // Sleep until there is a region to join, or an op starts (Busy): then
+    // poll again.
+    bool join = false;
+    while (!stop_ && !join) {
+      if (generation_ != seen) {
+        join = next_ < shards_;
+        if (!join) seen = generation_;  // the caller ran every shard
+      } else if (busy_ > 0) {
+        break;
+      } else {
+        wake_.wait(lock);
+      }
     }
-    wake_.wait(lock, ready);
     if (stop_) return;
+    if (!join) continue;
     while (next_ < shards_) {
       const int64_t shard = next_++;
       const auto* fn = fn_;
@@ -75,6 +112,21 @@ void ThreadPool::Work() {
     }
     seen = generation_;
   }
+}
+
+ThreadPool::Busy::Busy(ThreadPool& pool) : pool_(pool) {
+  if (pool_.workers_.empty()) return;
+  {
+    // Under the lock: a thread that has just seen busy_ == 0 is then asleep
+    // on wake_, and is woken.
+    std::lock_guard<std::mutex> lock(pool_.mutex_);
+    ++pool_.busy_;
+  }
+  pool_.wake_.notify_all();
+}
+
+ThreadPool::Busy::~Busy() {
+  if (!pool_.workers_.empty()) --pool_.busy_;
 }
 
 void ThreadPool::ParallelFor(int64_t total, int64_t cost_per_unit,
@@ -113,7 +165,8 @@ void ThreadPool::ParallelFor(int64_t total, int64_t cost_per_unit,
   in_pool = false;
   if (pending_ != 0) {
     lock.unlock();
-    SpinUntil([&] { return pending_.load() == 0; });
+    PollUntil([&] { return pending_.load() == 0; }, [] { return false; }, kSpin,
+              false);
     lock.lock();
   }
   done_.wait(lock, [&] { return pending_ == 0; });

@@ -27,6 +27,20 @@ class ThreadPool {
                    const std::function<void(int64_t, int64_t)>& fn);
   tapehook::ParallelFor AsParallelFor();
 
+  // Held by an op for its whole run: the pool's threads wake now, while the
+  // op sets up, and poll instead of sleeping between its parallel regions
+  // (a thread asleep takes longer to wake than a short region lasts).
+  class Busy {
+   public:
+    explicit Busy(ThreadPool& pool);
+    ~Busy();
+    Busy(const Busy&) = delete;
+    Busy& operator=(const Busy&) = delete;
+
+   private:
+    ThreadPool& pool_;
+  };
+
  private:
   void Work();
 
@@ -40,6 +54,7 @@ class ThreadPool {
   std::atomic<int64_t> pending_{0};
   std::atomic<uint64_t> generation_{0};
   std::atomic<bool> stop_{false};
+  std::atomic<int> busy_{0};
 };
 
 }  // namespace lite
