@@ -98,6 +98,20 @@ ThreadPool& PoolFor(const Context* context) {
   return *pool;
 }
 
+// The threads one op's eval shares its work on: its interpreter's pool, held
+// busy for the eval (ThreadPool::Busy), as a core ParallelFor.
+class OpThreads {
+ public:
+  explicit OpThreads(const Context* context)
+      : pool_(PoolFor(context)), busy_(pool_), pf_(pool_.AsParallelFor()) {}
+  const ParallelFor& parallel_for() const { return pf_; }
+
+ private:
+  ThreadPool& pool_;
+  const ThreadPool::Busy busy_;
+  const ParallelFor pf_;
+};
+
 // Checks the node has n_in inputs and 1 output; fills in / out.
 std::string InputsAndOutput(Context* context, const Node* node, int n_in,
                             Tensor** in, Tensor** out) {
@@ -150,10 +164,9 @@ Status QuantizeEval(Context* context, Node* node) {
   Tensor* out = TensorAt(context, node->outputs, 0);
   int64_t rows, channels;
   RowsAndChannels(in, &rows, &channels);
-  ThreadPool& pool = PoolFor(context);
   // Also wakes the pool for the binary conv that usually follows.
-  const ThreadPool::Busy busy(pool);
-  const ParallelFor pf = pool.AsParallelFor();
+  const OpThreads threads(context);
+  const ParallelFor& pf = threads.parallel_for();
   auto* words = static_cast<int32_t*>(out->data);
   if (in->type == kFloat32) {
     lce::PackSigns(static_cast<const float*>(in->data), rows, channels, words,
@@ -204,9 +217,8 @@ Status DequantizeEval(Context* context, Node* node) {
   Tensor* out = TensorAt(context, node->outputs, 0);
   int64_t rows, channels;
   RowsAndChannels(out, &rows, &channels);
-  ThreadPool& pool = PoolFor(context);
-  const ThreadPool::Busy busy(pool);
-  const ParallelFor pf = pool.AsParallelFor();
+  const OpThreads threads(context);
+  const ParallelFor& pf = threads.parallel_for();
   const auto* words = static_cast<const int32_t*>(in->data);
   if (out->type == kFloat32) {
     lce::UnpackSigns(words, rows, channels, static_cast<float*>(out->data), pf);
@@ -392,10 +404,9 @@ Status BConvEval(Context* context, Node* node) {
   auto* data = static_cast<BConvData*>(node->user_data);
   Tensor* input = TensorAt(context, node->inputs, 0);
   Tensor* out = TensorAt(context, node->outputs, 0);
-  ThreadPool& pool = PoolFor(context);
-  const ThreadPool::Busy busy(pool);
+  const OpThreads threads(context);
   data->conv.Run(static_cast<const int32_t*>(input->data), out->data,
-                 pool.AsParallelFor());
+                 threads.parallel_for());
   return kOk;
 }
 
@@ -460,12 +471,11 @@ Status PoolEval(Context* context, Node* node) {
   auto* data = static_cast<PoolData*>(node->user_data);
   Tensor* in = TensorAt(context, node->inputs, 0);
   Tensor* out = TensorAt(context, node->outputs, 0);
-  ThreadPool& pool = PoolFor(context);
-  const ThreadPool::Busy busy(pool);
+  const OpThreads threads(context);
   lce::BMaxPool(static_cast<const int32_t*>(in->data), Dim(in, 0), Dim(in, 1),
                 Dim(in, 2), Dim(in, 3), data->k_h, data->k_w, data->stride_h,
                 data->stride_w, data->same, static_cast<int32_t*>(out->data),
-                pool.AsParallelFor());
+                threads.parallel_for());
   return kOk;
 }
 
