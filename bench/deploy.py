@@ -180,8 +180,11 @@ def main(argv=None):
             binary = build(args.size, args.width, True)
             floating = build(args.size, args.width, False)
             rows += measure(None, binary, floating, x, repeats, scratch)
+    from tapehook import lite
+
     result = {
-        "machine": cpu_model(),
+        # The tier tapehook.lite's kernels ran on (avx512, avx2, portable).
+        "machine": f"{cpu_model()}, tapehook.lite on {lite.kernel_impl()}",
         "python": sys.version,
         "size": args.size,
         "width": None if args.zoo else args.width,

@@ -161,6 +161,8 @@ def _inputs(seed, n=1):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n, 16, 16, 40)).astype(np.float32)
     x[0, 0, 0, :4] = [0.0, -0.0, np.float32(1e-30), -np.float32(1e-30)]
+    # LCE packs x < 0: NaN (either sign) as +1, infinities by their sign.
+    x[0, 0, 1, :4] = [np.nan, -np.nan, -np.inf, np.inf]
     return x
 
 

@@ -520,78 +520,46 @@ BitFilter<T> PackBitFilterImpl(const ConvShape& s, const T* w, Scale scale,
   return f;
 }
 
-// The bitpacked forward given its packed filter (packed on f.isa's tier),
-// its outputs transformed by `affine` where given, x binarized at the
-// per-channel threshold `thr` ([in_c]) where given.
+// Words per input pixel of x's signs on the AVX2 and portable tiers: cw
+// words, or on the AVX2 tier their nibble form (2 cw).
+inline int64_t TierPixelWords(BitIsa isa, const ConvShape& s) {
+  return isa == BitIsa::kAvx2 ? 2 * WordsPerPixel(s) : WordsPerPixel(s);
+}
+
+// The AVX2 and portable tiers' forward from x's signs already packed, in
+// the tier's form (xb: TierPixelWords per input pixel, 1 bits negative):
+// y = alpha_t * dot, or with an offset fma(alpha_t, relu ? max(dot, 0) :
+// dot, offset), then + addend where given.
 template <typename T>
-void BitpackedForwardWith(const ConvShape& s, const T* x, const BitFilter<T>& f,
-                          T* y, const ParallelFor& parallel_for,
-                          const OutputAffine<T>* affine = nullptr,
-                          const T* thr = nullptr) {
+void BitpackedBlocks(const ConvShape& s, const uint64_t* xb,
+                     const BitFilter<T>& f, T* y,
+                     const ParallelFor& parallel_for, const T* alpha_t,
+                     const T* offset, bool relu, const T* addend) {
   const int64_t C = s.in_c, N = s.out_c;
-  const int64_t cw = WordsPerPixel(s);
   const int64_t taps = s.k_h * s.k_w;
-  const int64_t row_words = taps * cw;
+  const int64_t row_words = taps * WordsPerPixel(s);
   const int64_t n_pad = f.n_pad;
   const int64_t pixels = OutPixels(s);
   const BitIsa isa = static_cast<BitIsa>(f.isa);
   const uint64_t* const wb =
       isa == BitIsa::kAvx2 ? f.nibbles.data() : f.words.data();
   const int32_t* const tap_count = f.tap_count.data();
-  // The transform's multiplier folds into alpha (one multiply per output).
-  std::vector<T> folded;
-  if (affine != nullptr) {
-    folded.resize(N);
-    for (int64_t o = 0; o < N; ++o)
-      folded[o] = f.alpha[o] * affine->multiplier[o];
-  }
-  const T* const alpha_t = affine != nullptr ? folded.data() : f.alpha.data();
-  const T* const offset = affine != nullptr ? affine->offset : nullptr;
-  const bool relu = affine != nullptr && affine->relu;
-  const T* const addend = affine != nullptr ? affine->addend : nullptr;
-  const int64_t pixel_cost = C / PackCostDiv<T>(isa) + 1;
-
-#if TAPEHOOK_HAVE_AVX512_PATH
-  // Unless x is small, the AVX-512 tier packs it inside its units.
-  const BitInput input = isa == BitIsa::kAvx512 && std::is_same_v<T, float>
-                             ? PickBitInput(s)
-                             : BitInput::kPacked;
-  const bool packed = input == BitInput::kPacked;
-#else
-  const bool packed = true;
-#endif
-
-  // Signs of x, one run of pw words per input pixel: cw words, or on the
-  // AVX2 tier their nibble form (2 cw).
-  const int64_t pw = isa == BitIsa::kAvx2 ? 2 * cw : cw;
-  const int64_t in_pixels = packed ? s.batch * s.in_h * s.in_w : 0;
-  std::unique_ptr<uint64_t[]> xb(new uint64_t[in_pixels * pw]);
-  parallel_for(in_pixels, pixel_cost, [&](int64_t p0, int64_t p1) {
-#if TAPEHOOK_HAVE_AVX512_PATH
-    if constexpr (std::is_same_v<T, float>) {
-      if (isa == BitIsa::kAvx512) {
-        return simd::PackSigns512(x + p0 * C, p1 - p0, C, &xb[p0 * cw], thr);
-      }
-    }
-#endif
-    for (int64_t p = p0; p < p1; ++p) {
-      PackSigns(isa, x + p * C, C, &xb[p * pw], thr);
-      if (pw != cw) SplitNibbles(&xb[p * pw], cw);
-    }
-  });
-
-#if TAPEHOOK_HAVE_AVX512_PATH
-  if (isa == BitIsa::kAvx512) {
-    return BitpackedBlocks512(s, input, x, xb.get(), wb, n_pad, tap_count,
-                              alpha_t, y, parallel_for, offset, relu, addend,
-                              thr);
-  }
-#endif
-
+  const int64_t pw = TierPixelWords(isa, s);
   const int64_t blocks = (pixels + kBitPixelBlock - 1) / kBitPixelBlock;
   const int64_t col_words = taps * pw;  // per row of the bit im2col
+  // A unit is a block's outputs in one slice of the AVX2 tier's column
+  // panels: where blocks are few (batch 1, a late stage: 7x7 = 49 pixels is
+  // one block), slices share the work out, each reading only its panels.
+  constexpr int64_t kMinUnits = 16;
+  const int64_t panels = n_pad / kPopColTile;
+  const int64_t slices =
+      isa == BitIsa::kAvx2
+          ? std::min(panels,
+                     std::max<int64_t>(1, (kMinUnits + blocks - 1) / blocks))
+          : 1;
   parallel_for(
-      blocks, kBitPixelBlock * row_words * N, [&](int64_t b0, int64_t b1) {
+      blocks * slices, kBitPixelBlock * row_words * N / slices + 1,
+      [&](int64_t u0, int64_t u1) {
         std::vector<uint64_t> col(kBitPixelBlock * col_words);
         std::vector<int32_t> counts(kBitPixelBlock * n_pad);
         std::vector<char> border(kBitPixelBlock);
@@ -605,11 +573,17 @@ void BitpackedForwardWith(const ConvShape& s, const T* x, const BitFilter<T>& f,
             }
           }
         };
-        for (int64_t b = b0; b < b1; ++b) {
+        int64_t built = -1;  // the block whose bits `col` holds
+        for (int64_t u = u0; u < u1; ++u) {
+          const int64_t b = u / slices, slice = u % slices;
           const int64_t pix0 = b * kBitPixelBlock;
           const int64_t np = std::min(kBitPixelBlock, pixels - pix0);
+          // Columns [j0, j1) of the panels; outputs [j0, c1).
+          const int64_t j0 = panels * slice / slices * kPopColTile;
+          const int64_t j1 = panels * (slice + 1) / slices * kPopColTile;
+          const int64_t c1 = std::min(j1, N);
           PixelPos q = Pos(s, pix0);
-          for (int64_t p = 0; p < np; ++p) {
+          for (int64_t p = 0; p < np && built != b; ++p) {
             const uint64_t* xn = &xb[q.n * s.in_h * s.in_w * pw];
             uint64_t* row = &col[p * col_words];
             const int64_t ih0 = q.oh * s.stride_h - s.pad_top;
@@ -637,10 +611,12 @@ void BitpackedForwardWith(const ConvShape& s, const T* x, const BitFilter<T>& f,
               if (++q.oh == s.out_h) q.oh = 0, ++q.n;
             }
           }
+          built = b;
 #if TAPEHOOK_HAVE_AVX2_PATH
           if (isa == BitIsa::kAvx2) {
-            simd::XorPopcountNibbles(np, n_pad, row_words, col.data(), wb,
-                                     counts.data(), n_pad);
+            simd::XorPopcountNibbles(np, j1 - j0, row_words, col.data(),
+                                     wb + j0 * row_words * 2,
+                                     counts.data() + j0, n_pad);
           } else
 #endif
           {
@@ -658,7 +634,7 @@ void BitpackedForwardWith(const ConvShape& s, const T* x, const BitFilter<T>& f,
                              if (inside) return;
                              --valid;
                              const int32_t* tc = &tap_count[t * N];
-                             for (int64_t o = 0; o < N; ++o) cnt[o] -= tc[o];
+                             for (int64_t o = j0; o < c1; ++o) cnt[o] -= tc[o];
                            });
             }
             // Exact in int32 and in T (|dot| < 2^24 for any real layer).
@@ -669,18 +645,20 @@ void BitpackedForwardWith(const ConvShape& s, const T* x, const BitFilter<T>& f,
 #if TAPEHOOK_HAVE_AVX2_PATH
             if constexpr (std::is_same_v<T, float>) {
               if (isa == BitIsa::kAvx2) {
-                simd::CountsToOutputs(cnt, all_match, alpha_t, offset, relu,
-                                      add, N, out);
+                simd::CountsToOutputs(cnt + j0, all_match, alpha_t + j0,
+                                      offset != nullptr ? offset + j0 : nullptr,
+                                      relu, add != nullptr ? add + j0 : nullptr,
+                                      c1 - j0, out + j0);
                 continue;
               }
             }
 #endif
             if (offset == nullptr) {
-              for (int64_t o = 0; o < N; ++o) {
+              for (int64_t o = j0; o < c1; ++o) {
                 out[o] = alpha_t[o] * static_cast<T>(all_match - 2 * cnt[o]);
               }
             } else {
-              for (int64_t o = 0; o < N; ++o) {
+              for (int64_t o = j0; o < c1; ++o) {
                 const int32_t dot = all_match - 2 * cnt[o];
                 // Rounded to T (a store), then the addend: a separate add's
                 // sum.
@@ -693,6 +671,71 @@ void BitpackedForwardWith(const ConvShape& s, const T* x, const BitFilter<T>& f,
           }
         }
       });
+}
+
+// The bitpacked forward given its packed filter (packed on f.isa's tier),
+// its outputs transformed by `affine` where given, x binarized at the
+// per-channel threshold `thr` ([in_c]) where given.
+template <typename T>
+void BitpackedForwardWith(const ConvShape& s, const T* x, const BitFilter<T>& f,
+                          T* y, const ParallelFor& parallel_for,
+                          const OutputAffine<T>* affine = nullptr,
+                          const T* thr = nullptr) {
+  const int64_t C = s.in_c, N = s.out_c;
+  const int64_t cw = WordsPerPixel(s);
+  const BitIsa isa = static_cast<BitIsa>(f.isa);
+  // The transform's multiplier folds into alpha (one multiply per output).
+  std::vector<T> folded;
+  if (affine != nullptr) {
+    folded.resize(N);
+    for (int64_t o = 0; o < N; ++o)
+      folded[o] = f.alpha[o] * affine->multiplier[o];
+  }
+  const T* const alpha_t = affine != nullptr ? folded.data() : f.alpha.data();
+  const T* const offset = affine != nullptr ? affine->offset : nullptr;
+  const bool relu = affine != nullptr && affine->relu;
+  const T* const addend = affine != nullptr ? affine->addend : nullptr;
+  const int64_t pixel_cost = C / PackCostDiv<T>(isa) + 1;
+
+#if TAPEHOOK_HAVE_AVX512_PATH
+  // Unless x is small, the AVX-512 tier packs it inside its units.
+  const BitInput input = isa == BitIsa::kAvx512 && std::is_same_v<T, float>
+                             ? PickBitInput(s)
+                             : BitInput::kPacked;
+  const bool packed = input == BitInput::kPacked;
+#else
+  const bool packed = true;
+#endif
+
+  // Signs of x, one run of pw words per input pixel: cw words, or on the
+  // AVX2 tier their nibble form (2 cw).
+  const int64_t pw = TierPixelWords(isa, s);
+  const int64_t in_pixels = packed ? s.batch * s.in_h * s.in_w : 0;
+  std::unique_ptr<uint64_t[]> xb(new uint64_t[in_pixels * pw]);
+  parallel_for(in_pixels, pixel_cost, [&](int64_t p0, int64_t p1) {
+#if TAPEHOOK_HAVE_AVX512_PATH
+    if constexpr (std::is_same_v<T, float>) {
+      if (isa == BitIsa::kAvx512) {
+        return simd::PackSigns512(x + p0 * C, p1 - p0, C, &xb[p0 * cw], thr);
+      }
+    }
+#endif
+    for (int64_t p = p0; p < p1; ++p) {
+      PackSigns(isa, x + p * C, C, &xb[p * pw], thr);
+      if (pw != cw) SplitNibbles(&xb[p * pw], cw);
+    }
+  });
+
+#if TAPEHOOK_HAVE_AVX512_PATH
+  if (isa == BitIsa::kAvx512) {
+    return BitpackedBlocks512(s, input, x, xb.get(), f.words.data(), f.n_pad,
+                              f.tap_count.data(), alpha_t, y, parallel_for,
+                              offset, relu, addend, thr);
+  }
+#endif
+
+  BitpackedBlocks(s, xb.get(), f, y, parallel_for, alpha_t, offset, relu,
+                  addend);
 }
 
 }  // namespace tapehook

@@ -139,13 +139,50 @@ __attribute__((target("avx512f"))) void PackRows512(const float* x,
 }  // namespace
 #endif
 
+#if TAPEHOOK_HAVE_AVX2_PATH
+namespace {
+
+// The same on AVX2: an ordered x < 0 compare per 8 values (vmovmskps), four
+// to a word; the last channels % 8 values of a row one at a time.
+TAPEHOOK_AVX2 void PackRows256(const float* x, int64_t rows, int64_t channels,
+                               int32_t* out) {
+  const __m256 zero = _mm256_setzero_ps();
+  const int64_t words = PackedWords(channels), whole = channels / 8 * 8;
+  for (int64_t r = 0; r < rows; ++r, x += channels, out += words) {
+    std::fill_n(out, words, 0);
+    for (int64_t c = 0; c < whole; c += 8) {
+      const uint32_t bits = static_cast<uint32_t>(_mm256_movemask_ps(
+          _mm256_cmp_ps(_mm256_loadu_ps(x + c), zero, _CMP_LT_OQ)));
+      out[c / 32] = static_cast<int32_t>(static_cast<uint32_t>(out[c / 32]) |
+                                         bits << (c % 32));
+    }
+    for (int64_t c = whole; c < channels; ++c) {
+      if (x[c] < 0.0f) {
+        out[c / 32] = static_cast<int32_t>(static_cast<uint32_t>(out[c / 32]) |
+                                           1u << (c % 32));
+      }
+    }
+  }
+}
+
+}  // namespace
+#endif
+
 void PackSigns(const float* x, int64_t rows, int64_t channels, int32_t* out,
                const ParallelFor& parallel_for) {
+  const int64_t words = PackedWords(channels);
 #if TAPEHOOK_HAVE_AVX512_PATH
   if (cpu::Float512()) {
-    const int64_t words = PackedWords(channels);
     parallel_for(rows, channels / 8 + 1, [&](int64_t r0, int64_t r1) {
       PackRows512(x + r0 * channels, r1 - r0, channels, out + r0 * words);
+    });
+    return;
+  }
+#endif
+#if TAPEHOOK_HAVE_AVX2_PATH
+  if (cpu::Avx2()) {
+    parallel_for(rows, channels / 4 + 1, [&](int64_t r0, int64_t r1) {
+      PackRows256(x + r0 * channels, r1 - r0, channels, out + r0 * words);
     });
     return;
   }
@@ -191,9 +228,10 @@ struct BConv2D::State {
   int32_t clamp_min = 0, clamp_max = 0;
   std::vector<int32_t> thresholds;
   // Scratch, sized at Prepare.
-  std::vector<uint64_t> xb;  // AVX-512: the group's words, 64 to a word
-  std::vector<float> xf;     // other tiers: the group's +-1 values
-  std::vector<float> dots;   // [pixels][out_c / groups], unless in place
+  // The group's input as the core's tier reads it: 64 channels to a word,
+  // on the AVX2 tier in their nibble form (TierPixelWords).
+  std::vector<uint64_t> xb;
+  std::vector<float> dots;  // [pixels][out_c / groups], unless in place
 };
 
 BConv2D::BConv2D() : state_(new State) {}
@@ -337,12 +375,7 @@ std::string BConv2D::Prepare(const BConvAttrs& attrs, OutputKind kind,
     st.clamp_max = -lo + st.K;
   }
 
-  const int64_t in_pixels = batch * s.in_h * s.in_w;
-  if (isa == BitIsa::kAvx512) {
-    st.xb.assign(in_pixels * cw, 0);
-  } else {
-    st.xf.assign(in_pixels * Cg, 1.0f);
-  }
+  st.xb.assign(batch * s.in_h * s.in_w * TierPixelWords(isa, s), 0);
   if (!(kind == OutputKind::kFloat && st.groups == 1)) {
     st.dots.assign(OutPixels(s) * Ng, 0.0f);
   }
@@ -357,7 +390,8 @@ void BConv2D::Run(const int32_t* input, void* output,
   if (pixels == 0) return;
   const int64_t Ng = s.out_c, N = st.out_c, Cg = s.in_c;
   const int64_t cw = WordsPerPixel(s), gw = st.group_words;
-  const bool avx512 = static_cast<BitIsa>(st.filters[0].isa) == BitIsa::kAvx512;
+  const BitIsa isa = static_cast<BitIsa>(st.filters[0].isa);
+  const int64_t pw = TierPixelWords(isa, s);
   const int64_t top = st.one_pad ? st.pad_top : 0;
   const int64_t left = st.one_pad ? st.pad_left : 0;
   const bool in_place = st.kind == OutputKind::kFloat && st.groups == 1;
@@ -365,39 +399,34 @@ void BConv2D::Run(const int32_t* input, void* output,
     std::fill_n(static_cast<int32_t*>(output), pixels * PackedWords(N), 0);
   }
   for (int64_t g = 0; g < st.groups; ++g) {
-    // The group's input in the core's form; one-padding taps read +1.
+    // The group's input in the core's form, straight from LCE's words (the
+    // same bits: 1 where negative); one-padding taps read +1 (0 bits).
     parallel_for(
         s.batch * s.in_h, s.in_w * (Cg + 1), [&](int64_t r0, int64_t r1) {
           for (int64_t r = r0; r < r1; ++r) {
             const int64_t n = r / s.in_h, ih = r % s.in_h - top;
-            for (int64_t pw = 0; pw < s.in_w; ++pw) {
-              const int64_t iw = pw - left;
+            for (int64_t col = 0; col < s.in_w; ++col) {
+              const int64_t iw = col - left;
               const bool inside =
                   ih >= 0 && ih < st.raw_h && iw >= 0 && iw < st.raw_w;
               const int32_t* src =
                   input + ((n * st.raw_h + ih) * st.raw_w + iw) * st.in_words +
                   g * gw;
-              const int64_t p = r * s.in_w + pw;
-              if (avx512) {
-                for (int64_t k = 0; k < cw; ++k) {
-                  uint64_t word = 0;
-                  if (inside) {
-                    word = static_cast<uint32_t>(src[2 * k]);
-                    if (2 * k + 1 < gw) {
-                      word |= uint64_t{static_cast<uint32_t>(src[2 * k + 1])}
-                              << 32;
-                    }
+              uint64_t* xb = &st.xb[(r * s.in_w + col) * pw];
+              for (int64_t k = 0; k < cw; ++k) {
+                uint64_t word = 0;
+                if (inside) {
+                  word = static_cast<uint32_t>(src[2 * k]);
+                  if (2 * k + 1 < gw) {
+                    word |= uint64_t{static_cast<uint32_t>(src[2 * k + 1])}
+                            << 32;
                   }
-                  st.xb[p * cw + k] = word;
                 }
-              } else {
-                float* xf = &st.xf[p * Cg];
-                for (int64_t c = 0; c < Cg; ++c) {
-                  xf[c] = inside && (static_cast<uint32_t>(src[c / 32]) >>
-                                         (c % 32) &
-                                     1u)
-                              ? -1.0f
-                              : 1.0f;
+                if (isa == BitIsa::kAvx2) {
+                  xb[2 * k] = LowNibbles(word);
+                  xb[2 * k + 1] = HighNibbles(word);
+                } else {
+                  xb[k] = word;
                 }
               }
             }
@@ -406,7 +435,7 @@ void BConv2D::Run(const int32_t* input, void* output,
     const BitFilter<float>& f = st.filters[g];
     float* dots = in_place ? static_cast<float*>(output) : st.dots.data();
 #if TAPEHOOK_HAVE_AVX512_PATH
-    if (avx512) {
+    if (isa == BitIsa::kAvx512) {
       // x is read only for prefetching, which a packed input does not do.
       static const float kNoFloats[1] = {0.0f};
       BitpackedBlocks512<float>(s, BitInput::kPacked, kNoFloats, st.xb.data(),
@@ -416,7 +445,8 @@ void BConv2D::Run(const int32_t* input, void* output,
     } else
 #endif
     {
-      BinaryConv2DForwardBinary(s, st.xf.data(), f, dots, parallel_for);
+      BitpackedBlocks<float>(s, st.xb.data(), f, dots, parallel_for,
+                             f.alpha.data(), nullptr, false, nullptr);
     }
     // LCE's output transform of 2 * count = K - dot, a row of Ng outputs at
     // a time by the branch-free loops above (the output kind is fixed).
