@@ -604,12 +604,22 @@ OTHER_BENCHMARKS = [
     ),
     (
         "deploy_zoo.json",
-        "Zoo models deployed on x86: tapehook.lite against LCE's interpreter and float",
+        "Zoo models deployed on x86: tapehook.lite against LCE's interpreter and float "
+        "(AVX-512 kernels)",
         "224 px, random weights: the float twin (XNNPACK), the `filters='float'` file, "
         "the LCE file in LCE 0.16's interpreter and in `tapehook.lite`; one thread unless "
         "said, batch 1, median of 50.",
         "python bench/deploy.py --zoo QuickNetSmall,BiRealNet --size 224 "
         "--out bench/results/deploy_zoo.json",
+        deploy_zoo_table,
+    ),
+    (
+        "deploy_zoo_avx2.json",
+        "The same on an x86 without AVX-512 (AVX2 kernels)",
+        "As above, on a CPU whose best tier is AVX2 (most desktop and laptop x86, "
+        "AMD before Zen 4).",
+        "python bench/deploy.py --zoo QuickNetSmall,BiRealNet --size 224 "
+        "--out bench/results/deploy_zoo_avx2.json (on such a CPU)",
         deploy_zoo_table,
     ),
     (
