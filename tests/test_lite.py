@@ -122,15 +122,21 @@ def _varied_model():
     pool = keras.layers.GlobalAveragePooling2D()
     x = keras.layers.Concatenate()([pool(a), pool(b)])
     o = keras.layers.Dense(3)(x)
-    model = keras.Model(i, o)
-    rng = np.random.default_rng(1)
+    return _random_batch_norms(keras.Model(i, o), seed=1, signed_gamma=True)
+
+
+def _random_batch_norms(model, seed, signed_gamma):
+    """The model, its batch norms given statistics far from the identity."""
+    import keras
+
+    rng = np.random.default_rng(seed)
     for layer in model.layers:
         if isinstance(layer, keras.layers.BatchNormalization):
             gamma, beta, mean, var = layer.get_weights()
+            sign = rng.choice([-1, 1], gamma.shape) if signed_gamma else 1
             layer.set_weights(
                 [
-                    rng.uniform(0.5, 2.0, gamma.shape).astype("float32")
-                    * rng.choice([-1, 1], gamma.shape),
+                    rng.uniform(0.5, 2.0, gamma.shape).astype("float32") * sign,
                     rng.normal(0, 2.0, beta.shape).astype("float32"),
                     rng.normal(0, 3.0, mean.shape).astype("float32"),
                     rng.uniform(0.5, 4.0, var.shape).astype("float32"),
@@ -139,12 +145,16 @@ def _varied_model():
     return model
 
 
+def _lce_export(tmp_path_factory, model, name, bconvs):
+    path = tmp_path_factory.mktemp("lite") / f"{name}.tflite"
+    report = tapehook.export_tflite(model, path, target="lce")
+    assert report["ops"]["LceBconv2d"] == bconvs
+    return path
+
+
 @pytest.fixture(scope="module")
 def lce_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("lite") / "varied.tflite"
-    report = tapehook.export_tflite(_varied_model(), path, target="lce")
-    assert report["ops"]["LceBconv2d"] == 6
-    return path
+    return _lce_export(tmp_path_factory, _varied_model(), "varied", 6)
 
 
 def _run(path, x, num_threads=1, preserve=False):
@@ -604,3 +614,96 @@ def test_batch_resize(lce_file):
         np.testing.assert_array_equal(
             batched[i : i + 1], one.get_tensor(one.get_output_details()[0]["index"])
         )
+
+
+# ------------------------------------------------------------ residual adds
+
+
+def _residual_model():
+    """Residual blocks as QuickNet writes them (x + BN(bconv(x))), with the
+    ADD's operands both ways round, both paddings and a ReLU after one ADD
+    (the converter fuses it into the ADD), and one conv output that also
+    feeds a second op (not fusable)."""
+    import keras
+
+    from tapehook.larq import layers as lq
+
+    kw = dict(input_quantizer="ste_sign", kernel_quantizer="ste_sign", use_bias=False)
+    i = keras.Input((9, 9, 40))
+    x = keras.layers.Conv2D(40, 1)(i)
+    for k, (pad, swap) in enumerate([(1.0, False), (0.0, True), (1.0, True)]):
+        y = lq.QuantConv2D(40, 3, padding="same", pad_values=pad, **kw)(x)
+        y = keras.layers.BatchNormalization(name=f"bn{k}")(y)
+        x = keras.layers.Add()([y, x] if swap else [x, y])
+        if k == 1:
+            x = keras.layers.ReLU()(x)
+    y = lq.QuantConv2D(40, 3, padding="same", pad_values=1.0, **kw)(x)
+    y = keras.layers.BatchNormalization(name="bn_shared")(y)
+    x = keras.layers.Add()([x, y])
+    pool = keras.layers.GlobalAveragePooling2D()
+    o = keras.layers.Dense(3)(keras.layers.Concatenate()([pool(x), pool(y)]))
+    return _random_batch_norms(keras.Model(i, o), seed=3, signed_gamma=False)
+
+
+@pytest.fixture(scope="module")
+def residual_file(tmp_path_factory):
+    return _lce_export(tmp_path_factory, _residual_model(), "residual", 4)
+
+
+def _output(interp, x):
+    index = interp.get_input_details()[0]["index"]
+    interp.resize_tensor_input(index, x.shape)
+    interp.allocate_tensors()
+    interp.set_tensor(index, x)
+    interp.invoke()
+    return interp.get_tensor(interp.get_output_details()[0]["index"])
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_residual_adds_fused_same_bits(residual_file, num_threads):
+    """The three ADDs of a conv's own output are taken into the conv (the
+    fourth conv's output also feeds the pool: kept), and the outputs are
+    those with the ADDs run by LiteRT, bit for bit, at batch 1 and 3."""
+    from tapehook.deploy import flatbuffer
+
+    assert flatbuffer.op_counts(residual_file.read_bytes())["ADD"] == 4
+    schema = flatbuffer._schema()
+    model = schema.Model.GetRootAs(bytearray(residual_file.read_bytes()), 0)
+    activations = []
+    for i in range(model.Subgraphs(0).OperatorsLength()):
+        op = model.Subgraphs(0).Operators(i)
+        if op.BuiltinOptionsType() == schema.BuiltinOptions.AddOptions:
+            options = schema.AddOptions()
+            options.Init(op.BuiltinOptions().Bytes, op.BuiltinOptions().Pos)
+            activations.append(options.FusedActivationFunction())
+    assert sorted(activations) == [0, 0, 0, schema.ActivationFunctionType.RELU]
+    fused = lite.Interpreter(residual_file, num_threads=num_threads)
+    plain = lite.Interpreter(residual_file, num_threads=num_threads, fuse_adds=False)
+    assert (fused.fused_adds, plain.fused_adds) == (3, 0)
+    kept = lite.Interpreter(residual_file, experimental_preserve_all_tensors=True)
+    assert kept.fused_adds == 0  # every tensor of the file stays readable
+    for n, seed in ((1, 20), (3, 21)):
+        x = np.random.default_rng(seed).standard_normal((n, 9, 9, 40)).astype(np.float32)
+        np.testing.assert_array_equal(_output(fused, x), _output(plain, x))
+
+
+def test_residual_adds_from_bytes(residual_file):
+    """model_content takes the same rewrite as a path."""
+    x = np.random.default_rng(22).standard_normal((1, 9, 9, 40)).astype(np.float32)
+    from_bytes = lite.Interpreter(model_content=residual_file.read_bytes())
+    assert from_bytes.fused_adds == 3
+    np.testing.assert_array_equal(
+        _output(from_bytes, x), _output(lite.Interpreter(residual_file, fuse_adds=False), x)
+    )
+
+
+def test_bad_addend_raises(lce_file, tmp_path):
+    """A sixth LceBconv2d input that is not a float tensor of the output's
+    shape (a foreign file's) is named, not read out of bounds."""
+
+    def edit(op, model):
+        op.inputs = [*op.inputs, op.inputs[1]]  # the int32 filter
+
+    edited = _with_operator(lce_file, tmp_path, "LceBconv2d", edit)
+    with pytest.raises(TapehookError, match="addend"):
+        _run(edited, _inputs(0))

@@ -20,15 +20,26 @@ inline float* float_out(void* output) { return static_cast<float*>(output); }
 // in float: dot and K are integers far below 2^24, the clamp bounds
 // integers), then x * multiplier + bias, two roundings as LCE makes them.
 // `out` may be `dots` itself (a conv of one group writes in place): each
-// element is read before it is written, so the loop vectorizes.
+// element is read before it is written, so the loop vectorizes. With an
+// addend, + addend[o] after those two roundings, clamped to [add_lo,
+// add_hi]: a float ADD's sum and its fused activation (as TFLite's
+// reference kernel, max then min: a NaN stays NaN).
+template <bool kAdd>
 void FloatOutputs(const float* dots, int64_t n, float k, float lo, float hi,
-                  const float* multiplier, const float* bias, float* out) {
+                  const float* multiplier, const float* bias,
+                  const float* addend, float add_lo, float add_hi, float* out) {
 #pragma GCC ivdep
   for (int64_t o = 0; o < n; ++o) {
     float x = k - dots[o];
     x = x < lo ? lo : x;
     x = x > hi ? hi : x;
-    out[o] = x * multiplier[o] + bias[o];
+    float v = x * multiplier[o] + bias[o];
+    if (kAdd) {
+      v += addend[o];
+      v = v < add_lo ? add_lo : v;
+      v = v > add_hi ? add_hi : v;
+    }
+    out[o] = v;
   }
 }
 
@@ -383,7 +394,8 @@ std::string BConv2D::Prepare(const BConvAttrs& attrs, OutputKind kind,
 }
 
 void BConv2D::Run(const int32_t* input, void* output,
-                  const ParallelFor& parallel_for) {
+                  const ParallelFor& parallel_for, const float* addend,
+                  float add_lo, float add_hi) {
   State& st = *state_;
   const ConvShape& s = st.s;
   const int64_t pixels = OutPixels(s);
@@ -463,8 +475,14 @@ void BConv2D::Run(const int32_t* input, void* output,
                            static_cast<int32_t*>(output) + p * PackedWords(N),
                            g * Ng);
         } else if (st.kind == OutputKind::kFloat) {
-          FloatOutputs(row, Ng, k, lo, hi, mult, bias,
-                       float_out(output) + p * N + g * Ng);
+          float* out = float_out(output) + p * N + g * Ng;
+          if (addend != nullptr) {
+            FloatOutputs<true>(row, Ng, k, lo, hi, mult, bias,
+                               addend + p * N + g * Ng, add_lo, add_hi, out);
+          } else {
+            FloatOutputs<false>(row, Ng, k, lo, hi, mult, bias, nullptr, 0.0f,
+                                0.0f, out);
+          }
         } else {
           Int8Outputs(row, Ng, k, lo, hi, mult, bias,
                       static_cast<int8_t*>(output) + p * N + g * Ng);

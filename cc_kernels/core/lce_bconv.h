@@ -20,6 +20,7 @@
 #define TAPEHOOK_CORE_LCE_BCONV_H_
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -88,7 +89,14 @@ class BConv2D {
   int64_t out_w() const;
   int64_t out_channels() const;  // the output tensor's last axis
 
-  void Run(const int32_t* input, void* output, const ParallelFor& parallel_for);
+  // addend (float output only): [batch, out_h, out_w, out_c] floats added
+  // to the output and the sum clamped to [add_lo, add_hi], as a float ADD
+  // with a fused activation after the op would (tapehook.lite takes such an
+  // ADD into the op when it loads a file).
+  void Run(const int32_t* input, void* output, const ParallelFor& parallel_for,
+           const float* addend = nullptr,
+           float add_lo = -std::numeric_limits<float>::infinity(),
+           float add_hi = std::numeric_limits<float>::infinity());
 
   // The implementation the node runs (plan.h's ImplName).
   const char* impl_name() const;

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <exception>
 #include <initializer_list>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -244,6 +245,10 @@ struct BConvData {
   std::string error;  // from the custom options
   lce::BConvAttrs attrs;
   lce::BConv2D conv;
+  bool addend = false;  // a sixth input (see BConvPrepare)
+  // The clamp of that ADD's fused activation (tapehook.lite's own option).
+  float add_lo = -std::numeric_limits<float>::infinity();
+  float add_hi = std::numeric_limits<float>::infinity();
 };
 
 // Reads the options every LCE op shares; "" or the error.
@@ -294,6 +299,19 @@ void* BConvInit(Context*, const char* buffer, size_t length) {
         "fused_activation_function must be NONE, RELU, RELU_N1_TO_1 or "
         "RELU6";
   }
+  // Written by tapehook.lite (lite_fuse.py) with the addend: the activation
+  // the ADD it took in had.
+  FlexMap map;
+  int64_t add_activation = 0;
+  if (map.Parse(reinterpret_cast<const uint8_t*>(buffer), length).empty() &&
+      map.Get("tapehook_add_activation", &add_activation)) {
+    if (add_activation == 1) data->add_lo = 0.0f;
+    if (add_activation == 2) data->add_lo = -1.0f, data->add_hi = 1.0f;
+    if (add_activation == 3) data->add_lo = 0.0f, data->add_hi = 6.0f;
+    if (!in_range(add_activation, 0, 3) && data->error.empty()) {
+      data->error = "tapehook_add_activation must be 0 to 3";
+    }
+  }
   lce::BConvAttrs& a = data->attrs;
   a.stride_h = stride_h, a.stride_w = stride_w;
   a.dil_h = dil_h, a.dil_w = dil_w;
@@ -323,10 +341,14 @@ Status BConvPrepare(Context* context, Node* node) {
   auto* data = static_cast<BConvData*>(node->user_data);
   if (data == nullptr) return Fail(context, op, "no node data");
   if (!data->error.empty()) return Fail(context, op, data->error);
-  Tensor* in[5];
+  // A sixth input is the other operand of a float ADD of this op's output,
+  // which tapehook.lite takes into the op when it loads a file (lite.py).
+  const int n_in = node->inputs != nullptr && node->inputs->size == 6 ? 6 : 5;
+  Tensor* in[6] = {};
   Tensor* out;
-  std::string error = InputsAndOutput(context, node, 5, in, &out);
+  std::string error = InputsAndOutput(context, node, n_in, in, &out);
   if (!error.empty()) return Fail(context, op, error);
+  data->addend = n_in == 6;
   Tensor* input = in[0];
   Tensor* filter = in[1];
   if (input->type != kInt32 || Rank(input) != 4) {
@@ -392,11 +414,22 @@ Status BConvPrepare(Context* context, Node* node) {
                 error + "; " + Describe("input", input) + ", " +
                     Describe("filter", filter));
   }
+  const int64_t out_dims[4] = {Dim(input, 0), data->conv.out_h(),
+                               data->conv.out_w(), data->conv.out_channels()};
+  if (data->addend) {
+    const Tensor* add = in[5];
+    bool same = add != nullptr && Rank(add) == 4 && add->type == kFloat32;
+    for (int i = 0; same && i < 4; ++i) same = Dim(add, i) == out_dims[i];
+    if (kind != lce::OutputKind::kFloat || !same) {
+      return Fail(context, op,
+                  "a sixth input (an addend) needs float output and a float32 "
+                  "tensor of the output's shape; " +
+                      (add != nullptr ? Describe("addend", add)
+                                      : std::string("it is missing")));
+    }
+  }
   IntArray* dims = NewIntArray(4);
-  dims->data[0] = static_cast<int>(Dim(input, 0));
-  dims->data[1] = static_cast<int>(data->conv.out_h());
-  dims->data[2] = static_cast<int>(data->conv.out_w());
-  dims->data[3] = static_cast<int>(data->conv.out_channels());
+  for (int i = 0; i < 4; ++i) dims->data[i] = static_cast<int>(out_dims[i]);
   return context->ResizeTensor(context, out, dims);
 }
 
@@ -404,9 +437,13 @@ Status BConvEval(Context* context, Node* node) {
   auto* data = static_cast<BConvData*>(node->user_data);
   Tensor* input = TensorAt(context, node->inputs, 0);
   Tensor* out = TensorAt(context, node->outputs, 0);
+  const float* addend =
+      data->addend
+          ? static_cast<const float*>(TensorAt(context, node->inputs, 5)->data)
+          : nullptr;
   const OpThreads threads(context);
   data->conv.Run(static_cast<const int32_t*>(input->data), out->data,
-                 threads.parallel_for());
+                 threads.parallel_for(), addend, data->add_lo, data->add_hi);
   return kOk;
 }
 
