@@ -84,16 +84,21 @@ def fuse_adds(data):
     """(bytes, n): `data` with each float ADD of an LceBconv2d's float output
     and a tensor of the same shape taken into the conv, and how many; the
     input itself (n = 0) when none is, or the file is not one this rewrite
-    reads whole (buffers outside the flatbuffer, several subgraphs)."""
+    reads whole (buffers outside the flatbuffer, several subgraphs), or it
+    cannot be read: LiteRT's interpreter then says what is wrong with it."""
+    try:
+        return _fused(data)
+    except Exception:  # a corrupt or foreign file: not this rewrite's to judge
+        return data, 0
+
+
+def _fused(data):
     import flatbuffers
     import numpy as np
     from flatbuffers import flexbuffers
 
     schema = flatbuffer._schema()
-    try:
-        model = schema.ModelT.InitFromObj(schema.Model.GetRootAs(bytearray(data), 0))
-    except Exception:  # not a flatbuffer this schema reads: LiteRT says why
-        return data, 0
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAs(bytearray(data), 0))
     if len(model.subgraphs or ()) != 1 or any((b.offset or 0) > 1 for b in model.buffers or ()):
         return data, 0
     graph = model.subgraphs[0]
