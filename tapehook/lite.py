@@ -119,23 +119,23 @@ def _make_class():
         arguments go to LiteRT's interpreter. ``num_threads`` is shared by
         LiteRT's ops and LCE's (default 1).
 
-        ``fuse_adds`` (default True): each float ADD of a binary conv's output
-        and a tensor of its shape (a residual block's) is taken into the conv
-        as the file loads, with the same sums to the bit; ``fused_adds`` says
-        how many. The file is not changed. Off with ``fuse_adds=False``, and
-        with ``experimental_preserve_all_tensors=True``, which keeps every
-        tensor of the file to read."""
+        ``fuse`` (default True): each run of float SUB, MUL and ADD ops after
+        a binary conv (a residual add, Bi-Real-Net's batch norm) is taken
+        into the conv as the file loads, with the same results to the bit;
+        ``fused_ops`` says how many ops. The file is not changed. Off with
+        ``fuse=False``, and with ``experimental_preserve_all_tensors=True``,
+        which keeps every tensor of the file to read."""
 
         def __init__(
-            self, model_path=None, num_threads=None, model_content=None, fuse_adds=True, **kwargs
+            self, model_path=None, num_threads=None, model_content=None, fuse=True, **kwargs
         ):
             if model_path is not None:
                 model_path = os.fspath(model_path)
                 if not os.path.isfile(model_path):
                     raise TapehookError(f"no model file at {model_path!r}")
             self._path_text = model_path or "the model"
-            self.fused_adds = 0
-            if fuse_adds and not kwargs.get("experimental_preserve_all_tensors"):
+            self.fused_ops = 0
+            if fuse and not kwargs.get("experimental_preserve_all_tensors"):
                 from tapehook import lite_fuse
 
                 data = model_content
@@ -143,8 +143,8 @@ def _make_class():
                     with open(model_path, "rb") as f:
                         data = f.read()
                 if data is not None:
-                    fused, self.fused_adds = lite_fuse.fuse_adds(bytes(data))
-                    if self.fused_adds:
+                    fused, self.fused_ops = lite_fuse.fuse_epilogues(bytes(data))
+                    if self.fused_ops:
                         model_path, model_content = None, fused
             errors = []
             kwargs.pop("custom_op_registerers", None)

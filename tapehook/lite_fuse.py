@@ -1,88 +1,109 @@
 """The rewrite `tapehook.lite.Interpreter` makes of an LCE file as it loads it.
 
-A residual network's LCE file adds each binary conv's float output to the
-block's input in a float ADD (QuickNet: 16 of them). XNNPACK takes each such
-ADD as its own partition between two of our ops, so each costs a hand-over
-of the cores between the two thread pools, and at two threads it does not
-get faster. Here such an ADD becomes the conv's sixth input: the conv adds
-it in its output transform, after the same two roundings, so the sum is the
-ADD's to the bit. Only the copy in memory changes; the file stays LCE's.
+LCE's converter leaves float elementwise ops after a binary conv: QuickNet's
+residual ADD, Bi-Real-Net's SUB, MUL, MUL (the zero-padding correction and
+the batch norm) and its residual ADD. XNNPACK takes each run of them as its
+own partition between two of our ops, so each costs a hand-over of the cores
+between the two thread pools, and at two threads they do not get faster.
+Here such a chain becomes the conv's epilogue: its operands are the conv's
+inputs 5, 6, ... and its steps a custom option, and the conv applies each
+step after its own output transform as the op itself would (one IEEE
+operation and the op's fused activation each), so the results are the ops'
+to the bit. Only the copy in memory changes; the file stays LCE's.
 """
 
 import collections
 
 from tapehook.deploy import flatbuffer
 
-# TFLite's fused activations that LceBconv2d's addend clamp takes: NONE,
-# RELU, RELU_N1_TO_1, RELU6 (its custom option "tapehook_add_activation").
-_ACTIVATIONS = (0, 1, 2, 3)
+# Steps as LceBconv2d reads them (cc_kernels/lite/lce_ops.cc): the op in the
+# low 3 bits, TFLite's fused activation (NONE, RELU, RELU_N1_TO_1, RELU6)
+# above them, 6 bits a step.
+_SUB_FROM, _SUB, _MUL, _ADD = range(4)
+_MAX_STEPS = 8
 
 
-def _is_op(model, op, builtin=None, custom=None):
+def _code(model, op):
     code = model.operatorCodes[op.opcodeIndex]
-    if custom is not None:
-        return code.customCode is not None and code.customCode.decode() == custom
-    return max(code.builtinCode, code.deprecatedBuiltinCode) == builtin
+    if code.customCode is not None:
+        return code.customCode.decode()
+    return max(code.builtinCode, code.deprecatedBuiltinCode)
 
 
-def _fusable_adds(model, graph):
-    """(bconv index, add index, addend tensor, activation) of each ADD to
-    take in."""
+def _chains(model, graph):
+    """(conv index, [(op index, operand tensor, step code)]) for each conv
+    whose float output runs through elementwise ops to take in."""
     schema = flatbuffer._schema()
+    ops = schema.BuiltinOperator
     float32 = schema.TensorType.FLOAT32
-    producer, uses = {}, collections.Counter()
+    producer, consumers = {}, collections.defaultdict(list)
     for i, op in enumerate(graph.operators):
-        for t in op.outputs if op.outputs is not None else ():
+        for t in op.outputs:
             producer[t] = i
-        for t in op.inputs if op.inputs is not None else ():
-            uses[t] += 1
+        for t in op.inputs:
+            consumers[t].append(i)
     outputs = set(graph.outputs if graph.outputs is not None else ())
 
-    def shape(t):
+    def dims(t):
         tensor = graph.tensors[t]
-        dims = list(tensor.shape) if tensor.shape is not None else None
         signature = tensor.shapeSignature
-        if dims is None or (signature is not None and any(d < 0 for d in signature)):
+        if tensor.shape is None or (signature is not None and any(d < 0 for d in signature)):
             return None
-        return dims
+        return [int(d) for d in tensor.shape]
+
+    def operand_fits(t, shape, conv_index):
+        """One value, one per channel, or the output's shape made before the
+        conv runs (or a constant or graph input)."""
+        d = dims(t)
+        if d is None or graph.tensors[t].type != float32:
+            return False
+        size = 1
+        for n in d:
+            size *= n
+        if size == 1 or (d and d[-1] == shape[-1] and size == shape[-1]):
+            return True
+        return d == shape and producer.get(t, -1) < conv_index
 
     found = []
-    for a, op in enumerate(graph.operators):
-        if not _is_op(model, op, builtin=schema.BuiltinOperator.ADD):
+    for b, conv in enumerate(graph.operators):
+        if _code(model, conv) != "LceBconv2d" or len(conv.inputs) != 5:
             continue
-        if op.inputs is None or len(op.inputs) != 2 or len(op.outputs) != 1:
+        t = conv.outputs[0]
+        shape = dims(t)
+        if shape is None or len(shape) != 4 or graph.tensors[t].type != float32:
             continue
-        options = op.builtinOptions
-        activation = options.fusedActivationFunction if options is not None else 0
-        if activation not in _ACTIVATIONS:
-            continue
-        for conv_out, addend in (tuple(op.inputs), tuple(op.inputs)[::-1]):
-            b = producer.get(conv_out)
-            if b is None or conv_out == addend:
-                continue
-            conv = graph.operators[b]
-            if not _is_op(model, conv, custom="LceBconv2d") or len(conv.inputs) != 5:
-                continue
-            # The conv's output feeds only this ADD; the addend exists when the
-            # conv runs (made before it, or a graph input or constant).
-            if uses[conv_out] != 1 or conv_out in outputs:
-                continue
-            if producer.get(addend, -1) >= b:
-                continue
-            types = {graph.tensors[t].type for t in (conv_out, addend, op.outputs[0])}
-            dims = shape(conv_out)
-            if types != {float32} or dims is None or len(dims) != 4:
-                continue
-            if shape(addend) != dims or shape(op.outputs[0]) != dims:
-                continue
-            found.append((b, a, addend, activation))
-            break
+        steps = []
+        while len(steps) < _MAX_STEPS and t not in outputs and len(consumers[t]) == 1:
+            i = consumers[t][0]
+            op = graph.operators[i]
+            kind = _code(model, op)
+            if kind not in (ops.SUB, ops.MUL, ops.ADD) or len(op.inputs) != 2:
+                break
+            other = op.inputs[1] if op.inputs[0] == t else op.inputs[0]
+            out = op.outputs[0]
+            if other == t or not operand_fits(other, shape, b):
+                break
+            if dims(out) != shape or graph.tensors[out].type != float32:
+                break
+            options = op.builtinOptions
+            activation = getattr(options, "fusedActivationFunction", 0) or 0
+            if activation not in (0, 1, 2, 3):
+                break
+            if kind == ops.SUB:
+                step = _SUB if op.inputs[0] == t else _SUB_FROM
+            else:
+                step = _MUL if kind == ops.MUL else _ADD
+            steps.append((i, other, step | activation << 3))
+            t = out
+        if steps:
+            found.append((b, steps))
     return found
 
 
-def fuse_adds(data):
-    """(bytes, n): `data` with each float ADD of an LceBconv2d's float output
-    and a tensor of the same shape taken into the conv, and how many; the
+def fuse_epilogues(data):
+    """(bytes, n): `data` with each chain of float SUB / MUL / ADD ops after
+    an LceBconv2d's float output (each with one value, one per channel or a
+    tensor of the output's shape) taken into the conv, and how many ops; the
     input itself (n = 0) when none is, or the file is not one this rewrite
     reads whole (buffers outside the flatbuffer, several subgraphs), or it
     cannot be read: LiteRT's interpreter then says what is wrong with it."""
@@ -102,19 +123,20 @@ def _fused(data):
     if len(model.subgraphs or ()) != 1 or any((b.offset or 0) > 1 for b in model.buffers or ()):
         return data, 0
     graph = model.subgraphs[0]
-    found = _fusable_adds(model, graph)
+    found = _chains(model, graph)
     if not found:
         return data, 0
-    for b, a, addend, activation in found:
-        conv, add = graph.operators[b], graph.operators[a]
-        conv.inputs = [*conv.inputs, addend]
-        conv.outputs = [add.outputs[0]]
-        if activation:
-            options = flexbuffers.Loads(bytes(bytearray(conv.customOptions)))
-            options["tapehook_add_activation"] = int(activation)
-            conv.customOptions = np.frombuffer(flexbuffers.Dumps(options), np.uint8)
-    dropped = {a for _, a, _, _ in found}
+    dropped = set()
+    for b, steps in found:
+        conv = graph.operators[b]
+        conv.inputs = [*conv.inputs, *(operand for _, operand, _ in steps)]
+        conv.outputs = [graph.operators[steps[-1][0]].outputs[0]]
+        options = flexbuffers.Loads(bytes(bytearray(conv.customOptions)))
+        options["tapehook_epilogue_steps"] = len(steps)
+        options["tapehook_epilogue"] = sum(code << (6 * k) for k, (_, _, code) in enumerate(steps))
+        conv.customOptions = np.frombuffer(flexbuffers.Dumps(options), np.uint8)
+        dropped.update(i for i, _, _ in steps)
     graph.operators = [op for i, op in enumerate(graph.operators) if i not in dropped]
     builder = flatbuffers.Builder(len(data) + 1024)
     builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
-    return bytes(builder.Output()), len(found)
+    return bytes(builder.Output()), len(dropped)

@@ -678,10 +678,10 @@ def test_residual_adds_fused_same_bits(residual_file, num_threads):
             activations.append(options.FusedActivationFunction())
     assert sorted(activations) == [0, 0, 0, schema.ActivationFunctionType.RELU]
     fused = lite.Interpreter(residual_file, num_threads=num_threads)
-    plain = lite.Interpreter(residual_file, num_threads=num_threads, fuse_adds=False)
-    assert (fused.fused_adds, plain.fused_adds) == (3, 0)
+    plain = lite.Interpreter(residual_file, num_threads=num_threads, fuse=False)
+    assert (fused.fused_ops, plain.fused_ops) == (3, 0)
     kept = lite.Interpreter(residual_file, experimental_preserve_all_tensors=True)
-    assert kept.fused_adds == 0  # every tensor of the file stays readable
+    assert kept.fused_ops == 0  # every tensor of the file stays readable
     for n, seed in ((1, 20), (3, 21)):
         x = np.random.default_rng(seed).standard_normal((n, 9, 9, 40)).astype(np.float32)
         np.testing.assert_array_equal(_output(fused, x), _output(plain, x))
@@ -691,19 +691,57 @@ def test_residual_adds_from_bytes(residual_file):
     """model_content takes the same rewrite as a path."""
     x = np.random.default_rng(22).standard_normal((1, 9, 9, 40)).astype(np.float32)
     from_bytes = lite.Interpreter(model_content=residual_file.read_bytes())
-    assert from_bytes.fused_adds == 3
+    assert from_bytes.fused_ops == 3
     np.testing.assert_array_equal(
-        _output(from_bytes, x), _output(lite.Interpreter(residual_file, fuse_adds=False), x)
+        _output(from_bytes, x), _output(lite.Interpreter(residual_file, fuse=False), x)
     )
 
 
-def test_bad_addend_raises(lce_file, tmp_path):
-    """A sixth LceBconv2d input that is not a float tensor of the output's
-    shape (a foreign file's) is named, not read out of bounds."""
+@pytest.mark.parametrize("declared", [False, True])
+def test_bad_epilogue_raises(lce_file, tmp_path, declared):
+    """An LceBconv2d input beyond LCE's five (a foreign file's), undeclared or
+    declared as an epilogue step but not a float tensor of one value, one per
+    channel or the output's shape, is named, not read out of bounds."""
+    import numpy as np
+    from flatbuffers import flexbuffers
 
     def edit(op, model):
         op.inputs = [*op.inputs, op.inputs[1]]  # the int32 filter
+        if declared:
+            options = flexbuffers.Loads(bytes(bytearray(op.customOptions)))
+            options.update(tapehook_epilogue_steps=1, tapehook_epilogue=3)
+            op.customOptions = np.frombuffer(flexbuffers.Dumps(options), np.uint8)
 
     edited = _with_operator(lce_file, tmp_path, "LceBconv2d", edit)
-    with pytest.raises(TapehookError, match="addend"):
+    message = "an epilogue operand .input 5" if declared else "expected 5 input"
+    with pytest.raises(TapehookError, match=message):
         _run(edited, _inputs(0))
+
+
+@pytest.fixture(scope="module")
+def bireal_file(tmp_path_factory):
+    import keras
+
+    from tapehook import zoo
+
+    keras.utils.set_random_seed(5)
+    model = zoo.BiRealNet(input_shape=(32, 32, 3), num_classes=10)
+    return _lce_export(tmp_path_factory, _random_batch_norms(model, 6, True), "bireal", 16)
+
+
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_bireal_chains_fused_same_bits(bireal_file, num_threads):
+    """Bi-Real-Net's LCE file follows each binary conv with SUB (from one
+    value), MUL, MUL (one value per channel) and ADDs (the batch norm's, the
+    residual): every one is taken into the 16 convs, and the outputs are
+    LiteRT's, bit for bit."""
+    from tapehook.deploy import flatbuffer
+
+    counts = flatbuffer.op_counts(bireal_file.read_bytes())
+    assert (counts["SUB"], counts["MUL"]) == (16, 32) and counts["ADD"] >= 16, counts
+    fused = lite.Interpreter(bireal_file, num_threads=num_threads)
+    assert fused.fused_ops == counts["SUB"] + counts["MUL"] + counts["ADD"]
+    plain = lite.Interpreter(bireal_file, num_threads=num_threads, fuse=False)
+    for n, seed in ((1, 30), (2, 31)):
+        x = np.random.default_rng(seed).standard_normal((n, 32, 32, 3)).astype(np.float32)
+        np.testing.assert_array_equal(_output(fused, x), _output(plain, x))

@@ -20,26 +20,73 @@ inline float* float_out(void* output) { return static_cast<float*>(output); }
 // in float: dot and K are integers far below 2^24, the clamp bounds
 // integers), then x * multiplier + bias, two roundings as LCE makes them.
 // `out` may be `dots` itself (a conv of one group writes in place): each
-// element is read before it is written, so the loop vectorizes. With an
-// addend, + addend[o] after those two roundings, clamped to [add_lo,
-// add_hi]: a float ADD's sum and its fused activation (as TFLite's
-// reference kernel, max then min: a NaN stays NaN).
-template <bool kAdd>
+// element is read before it is written, so the loop vectorizes.
 void FloatOutputs(const float* dots, int64_t n, float k, float lo, float hi,
-                  const float* multiplier, const float* bias,
-                  const float* addend, float add_lo, float add_hi, float* out) {
+                  const float* multiplier, const float* bias, float* out) {
 #pragma GCC ivdep
   for (int64_t o = 0; o < n; ++o) {
     float x = k - dots[o];
     x = x < lo ? lo : x;
     x = x > hi ? hi : x;
-    float v = x * multiplier[o] + bias[o];
-    if (kAdd) {
-      v += addend[o];
-      v = v < add_lo ? add_lo : v;
-      v = v > add_hi ? add_hi : v;
+    out[o] = x * multiplier[o] + bias[o];
+  }
+}
+
+// One step on n outputs with operand values a[o] (kOne: a[0] for all),
+// each its own IEEE op and clamp, as the elementwise op it stands for; the
+// branch-free form vectorizes.
+template <EpilogueStep::Op kOp, bool kOne>
+void StepOutputs(const float* a, int64_t n, float lo, float hi, float* out) {
+  const float a0 = a[0];
+#pragma GCC ivdep
+  for (int64_t o = 0; o < n; ++o) {
+    const float x = kOne ? a0 : a[o], v = out[o];
+    float r = kOp == EpilogueStep::Op::kSubFrom ? x - v
+              : kOp == EpilogueStep::Op::kSub   ? v - x
+              : kOp == EpilogueStep::Op::kMul   ? v * x
+                                                : v + x;
+    r = r < lo ? lo : r;
+    r = r > hi ? hi : r;
+    out[o] = r;
+  }
+}
+
+template <EpilogueStep::Op kOp>
+void Step(const float* a, bool one, int64_t n, float lo, float hi, float* out) {
+  if (one) {
+    StepOutputs<kOp, true>(a, n, lo, hi, out);
+  } else {
+    StepOutputs<kOp, false>(a, n, lo, hi, out);
+  }
+}
+
+// The steps on outputs [first, first + n) of output pixels [p, p + rows)
+// (N channels each; out at pixel p's first output): a step whose operand is
+// not per channel runs over the rows at once where they are contiguous
+// (n == N), the others a row at a time.
+void ApplySteps(const std::vector<EpilogueStep>& steps, int64_t p, int64_t rows,
+                int64_t N, int64_t first, int64_t n, float* out) {
+  using Op = EpilogueStep::Op;
+  using Operand = EpilogueStep::Operand;
+  for (const EpilogueStep& s : steps) {
+    const bool one = s.operand == Operand::kScalar;
+    const bool whole = n == N && s.operand != Operand::kChannel;
+    for (int64_t r = 0; r < (whole ? 1 : rows); ++r) {
+      const float* a = s.values;
+      if (s.operand == Operand::kChannel) a += first;
+      if (s.operand == Operand::kFull) a += (p + r) * N + first;
+      const int64_t len = whole ? rows * N : n;
+      float* o = out + r * N;
+      if (s.op == Op::kSubFrom) {
+        Step<Op::kSubFrom>(a, one, len, s.lo, s.hi, o);
+      } else if (s.op == Op::kSub) {
+        Step<Op::kSub>(a, one, len, s.lo, s.hi, o);
+      } else if (s.op == Op::kMul) {
+        Step<Op::kMul>(a, one, len, s.lo, s.hi, o);
+      } else {
+        Step<Op::kAdd>(a, one, len, s.lo, s.hi, o);
+      }
     }
-    out[o] = v;
   }
 }
 
@@ -394,8 +441,8 @@ std::string BConv2D::Prepare(const BConvAttrs& attrs, OutputKind kind,
 }
 
 void BConv2D::Run(const int32_t* input, void* output,
-                  const ParallelFor& parallel_for, const float* addend,
-                  float add_lo, float add_hi) {
+                  const ParallelFor& parallel_for,
+                  const std::vector<EpilogueStep>* steps) {
   State& st = *state_;
   const ConvShape& s = st.s;
   const int64_t pixels = OutPixels(s);
@@ -476,12 +523,14 @@ void BConv2D::Run(const int32_t* input, void* output,
                            g * Ng);
         } else if (st.kind == OutputKind::kFloat) {
           float* out = float_out(output) + p * N + g * Ng;
-          if (addend != nullptr) {
-            FloatOutputs<true>(row, Ng, k, lo, hi, mult, bias,
-                               addend + p * N + g * Ng, add_lo, add_hi, out);
-          } else {
-            FloatOutputs<false>(row, Ng, k, lo, hi, mult, bias, nullptr, 0.0f,
-                                0.0f, out);
+          FloatOutputs(row, Ng, k, lo, hi, mult, bias, out);
+          // The steps on a few rows at a time, while they are in L1.
+          constexpr int64_t kStepRows = 16;
+          const int64_t rows = p - p0 + 1;
+          if (steps != nullptr && (rows % kStepRows == 0 || p + 1 == p1)) {
+            const int64_t first_row = p - (rows - 1) % kStepRows;
+            ApplySteps(*steps, first_row, p - first_row + 1, N, g * Ng, Ng,
+                       float_out(output) + first_row * N + g * Ng);
           }
         } else {
           Int8Outputs(row, Ng, k, lo, hi, mult, bias,

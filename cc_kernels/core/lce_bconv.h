@@ -67,6 +67,21 @@ enum class OutputKind { kFloat, kInt8, kBitpacked };
 
 // One LceBconv2d node, prepared once its shapes and constant filter are
 // known. Prepare returns "" or what is wrong with the node.
+// One elementwise float op on the conv's float output v: operand - v,
+// v - operand, v * operand or v + operand, the result clamped to [lo, hi]
+// (a fused activation; +-inf for none, TFLite's max-then-min, so a NaN
+// stays). The operand is one value, one per output channel, or a tensor of
+// the output's shape.
+struct EpilogueStep {
+  enum class Op { kSubFrom, kSub, kMul, kAdd };
+  enum class Operand { kScalar, kChannel, kFull };
+  Op op = Op::kAdd;
+  Operand operand = Operand::kFull;
+  const float* values = nullptr;
+  float lo = -std::numeric_limits<float>::infinity();
+  float hi = std::numeric_limits<float>::infinity();
+};
+
 class BConv2D {
  public:
   BConv2D();
@@ -89,14 +104,11 @@ class BConv2D {
   int64_t out_w() const;
   int64_t out_channels() const;  // the output tensor's last axis
 
-  // addend (float output only): [batch, out_h, out_w, out_c] floats added
-  // to the output and the sum clamped to [add_lo, add_hi], as a float ADD
-  // with a fused activation after the op would (tapehook.lite takes such an
-  // ADD into the op when it loads a file).
+  // steps (float output only): elementwise float ops applied to the output
+  // in order, each as its own op after this one would (tapehook.lite takes
+  // such ops into the conv when it loads a file).
   void Run(const int32_t* input, void* output, const ParallelFor& parallel_for,
-           const float* addend = nullptr,
-           float add_lo = -std::numeric_limits<float>::infinity(),
-           float add_hi = std::numeric_limits<float>::infinity());
+           const std::vector<EpilogueStep>* steps = nullptr);
 
   // The implementation the node runs (plan.h's ImplName).
   const char* impl_name() const;

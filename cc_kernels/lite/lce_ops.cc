@@ -245,11 +245,16 @@ struct BConvData {
   std::string error;  // from the custom options
   lce::BConvAttrs attrs;
   lce::BConv2D conv;
-  bool addend = false;  // a sixth input (see BConvPrepare)
-  // The clamp of that ADD's fused activation (tapehook.lite's own option).
-  float add_lo = -std::numeric_limits<float>::infinity();
-  float add_hi = std::numeric_limits<float>::infinity();
+  // Elementwise ops after the conv that tapehook.lite took into it as it
+  // loaded the file (lite_fuse.py): their operands are inputs 5, 6, ...
+  std::vector<lce::EpilogueStep> steps;
 };
+
+// tapehook.lite's own options for those steps: "tapehook_epilogue_steps"
+// (how many, at most kMaxSteps) and "tapehook_epilogue", 6 bits a step from
+// bit 0: the op (0 operand - v, 1 v - operand, 2 v * operand, 3 v +
+// operand), then TFLite's fused activation code (0 to 3) shifted by 3.
+constexpr int64_t kMaxSteps = 8;
 
 // Reads the options every LCE op shares; "" or the error.
 std::string ReadInts(
@@ -299,17 +304,31 @@ void* BConvInit(Context*, const char* buffer, size_t length) {
         "fused_activation_function must be NONE, RELU, RELU_N1_TO_1 or "
         "RELU6";
   }
-  // Written by tapehook.lite (lite_fuse.py) with the addend: the activation
-  // the ADD it took in had.
   FlexMap map;
-  int64_t add_activation = 0;
+  int64_t n = 0, packed = 0;
   if (map.Parse(reinterpret_cast<const uint8_t*>(buffer), length).empty() &&
-      map.Get("tapehook_add_activation", &add_activation)) {
-    if (add_activation == 1) data->add_lo = 0.0f;
-    if (add_activation == 2) data->add_lo = -1.0f, data->add_hi = 1.0f;
-    if (add_activation == 3) data->add_lo = 0.0f, data->add_hi = 6.0f;
-    if (!in_range(add_activation, 0, 3) && data->error.empty()) {
-      data->error = "tapehook_add_activation must be 0 to 3";
+      map.Get("tapehook_epilogue_steps", &n)) {
+    if (!in_range(n, 0, kMaxSteps) || !map.Get("tapehook_epilogue", &packed) ||
+        packed < 0) {
+      if (data->error.empty()) {
+        data->error =
+            "tapehook_epilogue_steps must be 0 to 8, with a "
+            "tapehook_epilogue of its steps";
+      }
+      n = 0;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t code = packed >> (6 * i) & 63;
+      const int64_t act = code >> 3;
+      lce::EpilogueStep step;
+      step.op = static_cast<lce::EpilogueStep::Op>(code & 3);
+      if ((code & 4) != 0 || act > 3) {
+        if (data->error.empty()) data->error = "a bad tapehook_epilogue step";
+      }
+      if (act == 1 || act == 3) step.lo = 0.0f;
+      if (act == 2) step.lo = -1.0f, step.hi = 1.0f;
+      if (act == 3) step.hi = 6.0f;
+      data->steps.push_back(step);
     }
   }
   lce::BConvAttrs& a = data->attrs;
@@ -341,14 +360,11 @@ Status BConvPrepare(Context* context, Node* node) {
   auto* data = static_cast<BConvData*>(node->user_data);
   if (data == nullptr) return Fail(context, op, "no node data");
   if (!data->error.empty()) return Fail(context, op, data->error);
-  // A sixth input is the other operand of a float ADD of this op's output,
-  // which tapehook.lite takes into the op when it loads a file (lite.py).
-  const int n_in = node->inputs != nullptr && node->inputs->size == 6 ? 6 : 5;
-  Tensor* in[6] = {};
+  const int n_in = 5 + static_cast<int>(data->steps.size());
+  Tensor* in[5 + kMaxSteps] = {};
   Tensor* out;
   std::string error = InputsAndOutput(context, node, n_in, in, &out);
   if (!error.empty()) return Fail(context, op, error);
-  data->addend = n_in == 6;
   Tensor* input = in[0];
   Tensor* filter = in[1];
   if (input->type != kInt32 || Rank(input) != 4) {
@@ -416,17 +432,27 @@ Status BConvPrepare(Context* context, Node* node) {
   }
   const int64_t out_dims[4] = {Dim(input, 0), data->conv.out_h(),
                                data->conv.out_w(), data->conv.out_channels()};
-  if (data->addend) {
-    const Tensor* add = in[5];
-    bool same = add != nullptr && Rank(add) == 4 && add->type == kFloat32;
-    for (int i = 0; same && i < 4; ++i) same = Dim(add, i) == out_dims[i];
-    if (kind != lce::OutputKind::kFloat || !same) {
+  for (size_t i = 0; i < data->steps.size(); ++i) {
+    // One value, one per output channel, or the output's shape.
+    const Tensor* a = in[5 + i];
+    using Operand = lce::EpilogueStep::Operand;
+    bool full = a != nullptr && Rank(a) == 4;
+    for (int d = 0; full && d < 4; ++d) full = Dim(a, d) == out_dims[d];
+    const bool ok = a != nullptr && a->type == kFloat32 && Rank(a) >= 0 &&
+                    (Elements(a) == 1 || full ||
+                     (Rank(a) >= 1 && Elements(a) == out_dims[3] &&
+                      Dim(a, Rank(a) - 1) == out_dims[3]));
+    if (kind != lce::OutputKind::kFloat || !ok) {
       return Fail(context, op,
-                  "a sixth input (an addend) needs float output and a float32 "
-                  "tensor of the output's shape; " +
-                      (add != nullptr ? Describe("addend", add)
-                                      : std::string("it is missing")));
+                  "an epilogue operand (input " + std::to_string(5 + i) +
+                      ") needs float output and a float32 tensor of one "
+                      "value, one per output channel or the output's shape; " +
+                      (a != nullptr ? Describe("operand", a)
+                                    : std::string("it is missing")));
     }
+    data->steps[i].operand = full               ? Operand::kFull
+                             : Elements(a) == 1 ? Operand::kScalar
+                                                : Operand::kChannel;
   }
   IntArray* dims = NewIntArray(4);
   for (int i = 0; i < 4; ++i) dims->data[i] = static_cast<int>(out_dims[i]);
@@ -437,13 +463,14 @@ Status BConvEval(Context* context, Node* node) {
   auto* data = static_cast<BConvData*>(node->user_data);
   Tensor* input = TensorAt(context, node->inputs, 0);
   Tensor* out = TensorAt(context, node->outputs, 0);
-  const float* addend =
-      data->addend
-          ? static_cast<const float*>(TensorAt(context, node->inputs, 5)->data)
-          : nullptr;
+  for (size_t i = 0; i < data->steps.size(); ++i) {
+    data->steps[i].values = static_cast<const float*>(
+        TensorAt(context, node->inputs, static_cast<int>(5 + i))->data);
+  }
   const OpThreads threads(context);
   data->conv.Run(static_cast<const int32_t*>(input->data), out->data,
-                 threads.parallel_for(), addend, data->add_lo, data->add_hi);
+                 threads.parallel_for(),
+                 data->steps.empty() ? nullptr : &data->steps);
   return kOk;
 }
 
