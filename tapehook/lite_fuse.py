@@ -36,6 +36,10 @@ def _chains(model, graph):
     schema = flatbuffer._schema()
     ops = schema.BuiltinOperator
     float32 = schema.TensorType.FLOAT32
+    # An op's absent tensor lists read as None in the object API.
+    for op in graph.operators:
+        op.inputs = [] if op.inputs is None else list(op.inputs)
+        op.outputs = [] if op.outputs is None else list(op.outputs)
     producer, consumers = {}, collections.defaultdict(list)
     for i, op in enumerate(graph.operators):
         for t in op.outputs:
@@ -66,7 +70,7 @@ def _chains(model, graph):
 
     found = []
     for b, conv in enumerate(graph.operators):
-        if _code(model, conv) != "LceBconv2d" or len(conv.inputs) != 5:
+        if _code(model, conv) != "LceBconv2d" or len(conv.inputs) != 5 or not conv.outputs:
             continue
         t = conv.outputs[0]
         shape = dims(t)
@@ -77,7 +81,7 @@ def _chains(model, graph):
             i = consumers[t][0]
             op = graph.operators[i]
             kind = _code(model, op)
-            if kind not in (ops.SUB, ops.MUL, ops.ADD) or len(op.inputs) != 2:
+            if kind not in (ops.SUB, ops.MUL, ops.ADD) or len(op.inputs) != 2 or not op.outputs:
                 break
             other = op.inputs[1] if op.inputs[0] == t else op.inputs[0]
             out = op.outputs[0]

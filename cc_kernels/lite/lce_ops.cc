@@ -439,6 +439,7 @@ Status BConvPrepare(Context* context, Node* node) {
     bool full = a != nullptr && Rank(a) == 4;
     for (int d = 0; full && d < 4; ++d) full = Dim(a, d) == out_dims[d];
     const bool ok = a != nullptr && a->type == kFloat32 && Rank(a) >= 0 &&
+                    a->bytes >= static_cast<size_t>(Elements(a)) * 4 &&
                     (Elements(a) == 1 || full ||
                      (Rank(a) >= 1 && Elements(a) == out_dims[3] &&
                       Dim(a, Rank(a) - 1) == out_dims[3]));
