@@ -514,27 +514,28 @@ void BConv2D::Run(const int32_t* input, void* output,
     const float k = static_cast<float>(st.K);
     const float lo = static_cast<float>(st.clamp_min);
     const float hi = static_cast<float>(st.clamp_max);
+    // Epilogue steps run on a few rows at a time, while they are in L1.
+    constexpr int64_t kStepRows = 16;
     parallel_for(pixels, 4 * Ng + 1, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) {
-        const float* row = dots + p * Ng;
-        if (st.kind == OutputKind::kBitpacked) {
-          BitpackedOutputs(row, Ng, st.K, st.thresholds.data() + g * Ng,
-                           static_cast<int32_t*>(output) + p * PackedWords(N),
-                           g * Ng);
-        } else if (st.kind == OutputKind::kFloat) {
-          float* out = float_out(output) + p * N + g * Ng;
-          FloatOutputs(row, Ng, k, lo, hi, mult, bias, out);
-          // The steps on a few rows at a time, while they are in L1.
-          constexpr int64_t kStepRows = 16;
-          const int64_t rows = p - p0 + 1;
-          if (steps != nullptr && (rows % kStepRows == 0 || p + 1 == p1)) {
-            const int64_t first_row = p - (rows - 1) % kStepRows;
-            ApplySteps(*steps, first_row, p - first_row + 1, N, g * Ng, Ng,
-                       float_out(output) + first_row * N + g * Ng);
+      for (int64_t c0 = p0; c0 < p1; c0 += kStepRows) {
+        const int64_t c1 = std::min(p1, c0 + kStepRows);
+        for (int64_t p = c0; p < c1; ++p) {
+          const float* row = dots + p * Ng;
+          if (st.kind == OutputKind::kBitpacked) {
+            BitpackedOutputs(row, Ng, st.K, st.thresholds.data() + g * Ng,
+                             static_cast<int32_t*>(output) + p * PackedWords(N),
+                             g * Ng);
+          } else if (st.kind == OutputKind::kFloat) {
+            FloatOutputs(row, Ng, k, lo, hi, mult, bias,
+                         float_out(output) + p * N + g * Ng);
+          } else {
+            Int8Outputs(row, Ng, k, lo, hi, mult, bias,
+                        static_cast<int8_t*>(output) + p * N + g * Ng);
           }
-        } else {
-          Int8Outputs(row, Ng, k, lo, hi, mult, bias,
-                      static_cast<int8_t*>(output) + p * N + g * Ng);
+        }
+        if (steps != nullptr && st.kind == OutputKind::kFloat) {
+          ApplySteps(*steps, c0, c1 - c0, N, g * Ng, Ng,
+                     float_out(output) + c0 * N + g * Ng);
         }
       }
     });
